@@ -1,0 +1,309 @@
+package backing
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+)
+
+// DefaultTablePattern finds engram tables among a model's tensors. The named
+// groups say which layer and which table of that layer a tensor is.
+const DefaultTablePattern = `^layers\.(?P<layer>\d+)\.engram\.embed\.(?P<table>weight|scale)$`
+
+// IndexFile is the name of the sharded-checkpoint index, in the model
+// directory and in the mount.
+const IndexFile = "model.safetensors.index.json"
+
+// maxIndexBytes bounds the index file we read into memory.
+const maxIndexBytes = 64 << 20
+
+// Shard is one safetensors file of the model directory.
+type Shard struct {
+	Name string // relative to the model directory
+	Path string
+	Size int64
+}
+
+// Table is one engram table: a 2-D tensor, one row per hash bucket.
+type Table struct {
+	ID        uint32 // index in Model.Tables
+	Name      string // the original tensor name
+	Layer     int
+	Kind      string // the `table` group of the pattern: weight, scale, ...
+	Dtype     string
+	Rows      uint64
+	RowBytes  int64
+	Shard     *Shard
+	DataStart int64 // offset of row 0 in the shard file
+	DataLen   int64 // Rows * RowBytes
+
+	// The table file of the mount: a single-tensor safetensors file whose
+	// data starts at a page boundary, so file page p >= DataPage holds data
+	// bytes [(p-DataPage)*PageSize, ...).
+	FileHeader []byte // length prefix + padded JSON; len is a multiple of PageSize
+	FileSize   int64
+}
+
+// PageSize is the page of the table files; see cache.PageSize.
+const PageSize = 4096
+
+// DataPage is the first file page that holds data.
+func (t *Table) DataPage() uint64 { return uint64(len(t.FileHeader)) / PageSize }
+
+// Pages is the number of file pages, header included.
+func (t *Table) Pages() uint64 { return (uint64(t.FileSize) + PageSize - 1) / PageSize }
+
+// RowPages returns the first and last file page that hold row r.
+func (t *Table) RowPages(r uint64) (first, last uint64) {
+	off := uint64(len(t.FileHeader)) + r*uint64(t.RowBytes)
+	return off / PageSize, (off + uint64(t.RowBytes) - 1) / PageSize
+}
+
+// Path is the table file's path inside the mount.
+func (t *Table) Path() string {
+	return filepath.Join("layers", strconv.Itoa(t.Layer), t.Kind+".safetensors")
+}
+
+// Model is the set of engram tables of one model directory.
+type Model struct {
+	Dir    string
+	Tables []*Table       // ordered by layer, then kind
+	Layers []int          // engram layers, ascending
+	Shards []*Shard       // shards that hold tables
+	rows   map[int]uint64 // layer -> row count
+}
+
+// LayerRows is the row count shared by the tables of layer, if it exists.
+func (m *Model) LayerRows(layer int) (uint64, bool) {
+	n, ok := m.rows[layer]
+	return n, ok
+}
+
+// LayerTables returns the tables of layer.
+func (m *Model) LayerTables(layer int) []*Table {
+	var out []*Table
+	for _, t := range m.Tables {
+		if t.Layer == layer {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
+// Load reads the model directory dir: its index when there is one, else every
+// *.safetensors file in it. Tensors whose name matches pattern (named groups
+// `layer` and `table`) become tables; every other tensor is ignored.
+func Load(dir, pattern string) (*Model, error) {
+	re, err := regexp.Compile(pattern)
+	if err != nil {
+		return nil, fmt.Errorf("table pattern %q: %w", pattern, err)
+	}
+	layerGroup, tableGroup := re.SubexpIndex("layer"), re.SubexpIndex("table")
+	if layerGroup < 0 || tableGroup < 0 {
+		return nil, fmt.Errorf("table pattern %q: needs named groups (?P<layer>...) and (?P<table>...)", pattern)
+	}
+	st, err := os.Stat(dir)
+	if err != nil {
+		return nil, fmt.Errorf("model directory: %w", err)
+	}
+	if !st.IsDir() {
+		return nil, fmt.Errorf("model directory %s: not a directory", dir)
+	}
+
+	// tensor name -> shard name, for the tensors that are tables.
+	wanted := map[string]string{}
+	indexPath := filepath.Join(dir, IndexFile)
+	weightMap, err := readIndex(indexPath)
+	switch {
+	case err == nil:
+		for name, file := range weightMap {
+			if !re.MatchString(name) {
+				continue
+			}
+			if !filepath.IsLocal(file) {
+				return nil, fmt.Errorf("%s: tensor %q: shard name %q is absolute or leaves the model directory", indexPath, name, file)
+			}
+			wanted[name] = file
+		}
+	case errors.Is(err, os.ErrNotExist):
+		weightMap = nil
+	default:
+		return nil, err
+	}
+
+	shards := map[string]*Shard{}
+	headers := map[string]*Header{}
+	openShard := func(name string) (*Header, error) {
+		if h, ok := headers[name]; ok {
+			return h, nil
+		}
+		path := filepath.Join(dir, name)
+		f, err := os.Open(path)
+		if err != nil {
+			return nil, fmt.Errorf("shard %s: %w", path, err)
+		}
+		defer f.Close()
+		fi, err := f.Stat()
+		if err != nil {
+			return nil, fmt.Errorf("shard %s: %w", path, err)
+		}
+		if !fi.Mode().IsRegular() {
+			return nil, fmt.Errorf("shard %s: not a regular file", path)
+		}
+		h, err := ReadHeader(f, fi.Size())
+		if err != nil {
+			return nil, fmt.Errorf("shard %s: %w", path, err)
+		}
+		shards[name] = &Shard{Name: name, Path: path, Size: fi.Size()}
+		headers[name] = h
+		return h, nil
+	}
+
+	if weightMap == nil {
+		names, err := filepath.Glob(filepath.Join(dir, "*.safetensors"))
+		if err != nil {
+			return nil, err
+		}
+		if len(names) == 0 {
+			return nil, fmt.Errorf("model directory %s: no %s and no *.safetensors files", dir, IndexFile)
+		}
+		sort.Strings(names)
+		for _, p := range names {
+			name := filepath.Base(p)
+			h, err := openShard(name)
+			if err != nil {
+				return nil, err
+			}
+			for _, tn := range h.sortedNames() {
+				if !re.MatchString(tn) {
+					continue
+				}
+				if prev, dup := wanted[tn]; dup {
+					return nil, fmt.Errorf("tensor %q is in both %s and %s", tn, prev, name)
+				}
+				wanted[tn] = name
+			}
+		}
+	}
+
+	m := &Model{Dir: dir, rows: map[int]uint64{}}
+	names := make([]string, 0, len(wanted))
+	for n := range wanted {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, name := range names {
+		shardName := wanted[name]
+		h, err := openShard(shardName)
+		if err != nil {
+			return nil, err
+		}
+		shard := shards[shardName]
+		ti, ok := h.Tensors[name]
+		if !ok {
+			return nil, fmt.Errorf("shard %s: %s maps tensor %q here, but the shard has no such tensor", shard.Path, IndexFile, name)
+		}
+		sub := re.FindStringSubmatch(name)
+		layer, err := strconv.Atoi(sub[layerGroup])
+		if err != nil || layer < 0 || layer > 0xFFFF {
+			return nil, fmt.Errorf("shard %s: tensor %q: layer %q is not a number from 0 to 65535", shard.Path, name, sub[layerGroup])
+		}
+		t, err := newTable(name, layer, sub[tableGroup], ti, shard, h.DataStart)
+		if err != nil {
+			return nil, fmt.Errorf("shard %s: tensor %q: %w", shard.Path, name, err)
+		}
+		m.Tables = append(m.Tables, t)
+	}
+	if len(m.Tables) == 0 {
+		return nil, fmt.Errorf("model directory %s: no tensor matches the table pattern %q", dir, pattern)
+	}
+
+	sort.SliceStable(m.Tables, func(i, j int) bool {
+		a, b := m.Tables[i], m.Tables[j]
+		if a.Layer != b.Layer {
+			return a.Layer < b.Layer
+		}
+		return a.Kind < b.Kind
+	})
+	seen := map[string]*Table{}
+	for i, t := range m.Tables {
+		t.ID = uint32(i)
+		if prev, dup := seen[t.Path()]; dup {
+			return nil, fmt.Errorf("tensors %q and %q are both layer %d table %q", prev.Name, t.Name, t.Layer, t.Kind)
+		}
+		seen[t.Path()] = t
+		if n, ok := m.rows[t.Layer]; !ok {
+			m.rows[t.Layer] = t.Rows
+			m.Layers = append(m.Layers, t.Layer)
+		} else if n != t.Rows {
+			return nil, fmt.Errorf("shard %s: tensor %q has %d rows, but other tables of layer %d have %d",
+				t.Shard.Path, t.Name, t.Rows, t.Layer, n)
+		}
+	}
+	for _, s := range shards {
+		m.Shards = append(m.Shards, s)
+	}
+	sort.Slice(m.Shards, func(i, j int) bool { return m.Shards[i].Name < m.Shards[j].Name })
+	return m, nil
+}
+
+func newTable(name string, layer int, kind string, ti TensorInfo, shard *Shard, dataStart int64) (*Table, error) {
+	if len(ti.Shape) != 2 {
+		return nil, fmt.Errorf("shape %v: a table must be 2-D (rows, columns)", ti.Shape)
+	}
+	size, ok := DtypeSize(ti.Dtype)
+	if !ok {
+		return nil, fmt.Errorf("unknown dtype %q", ti.Dtype)
+	}
+	rows, cols := ti.Shape[0], ti.Shape[1]
+	if rows == 0 || cols == 0 {
+		return nil, fmt.Errorf("shape %v: a table needs at least one row and one column", ti.Shape)
+	}
+	t := &Table{
+		Name: name, Layer: layer, Kind: kind, Dtype: ti.Dtype,
+		Rows: uint64(rows), RowBytes: cols * size, Shard: shard,
+		DataStart: dataStart + ti.Begin, DataLen: ti.End - ti.Begin,
+	}
+	hdr, err := EncodeHeader([]TensorInfo{{Name: name, Dtype: ti.Dtype, Shape: ti.Shape, Begin: 0, End: t.DataLen}},
+		map[string]string{"format": "pt"}, PageSize)
+	if err != nil {
+		return nil, err
+	}
+	t.FileHeader = hdr
+	t.FileSize = int64(len(hdr)) + t.DataLen
+	return t, nil
+}
+
+// readIndex returns the weight_map of a sharded-checkpoint index.
+func readIndex(path string) (map[string]string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if fi.Size() > maxIndexBytes {
+		return nil, fmt.Errorf("%s: %d bytes, over the limit of %d", path, fi.Size(), maxIndexBytes)
+	}
+	var idx struct {
+		WeightMap map[string]string `json:"weight_map"`
+	}
+	if err := json.NewDecoder(f).Decode(&idx); err != nil {
+		return nil, fmt.Errorf("%s: not a safetensors index: %w", path, err)
+	}
+	if idx.WeightMap == nil {
+		return nil, fmt.Errorf("%s: no weight_map", path)
+	}
+	return idx.WeightMap, nil
+}

@@ -1,0 +1,149 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"go.uber.org/zap"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/cache"
+	"github.com/engramfs/engramfs/fs"
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// mountFlags are the settings of a mount, with their defaults.
+type mountFlags struct {
+	tablePattern string
+	queueDepth   int
+	backingIO    string
+	allowOther   bool
+	debugFUSE    bool
+	logFlags
+}
+
+func (f *mountFlags) register(fl interface {
+	StringVar(*string, string, string, string)
+	IntVar(*int, string, int, string)
+	BoolVar(*bool, string, bool, string)
+}) {
+	fl.StringVar(&f.tablePattern, "table-pattern", backing.DefaultTablePattern,
+		"regular expression that picks the engram tables among the tensors; named groups `layer` and `table` say which layer and table a tensor is")
+	fl.IntVar(&f.queueDepth, "queue-depth", 64, "backing reads in flight at most, across all shards")
+	fl.StringVar(&f.backingIO, "backing-io", "auto",
+		"how shards are read: direct (O_DIRECT, no backing page cache), buffered (FADV_RANDOM, FADV_DONTNEED after each read), or auto (direct where the filesystem accepts it)")
+	fl.BoolVar(&f.allowOther, "allow-other", false,
+		"let users other than the daemon's read the mount (the control file stays owner-only)")
+	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
+}
+
+func init() {
+	register("mount", "mount a model directory's engram tables (foreground)", runMount)
+}
+
+func runMount(args []string) error {
+	fl := newFlagSet("mount", "[flags] MODEL_DIR MOUNTPOINT", `
+Mounts the engram tables of MODEL_DIR on MOUNTPOINT and serves them in the
+foreground until SIGINT or SIGTERM, which unmount (lazily when a reader still
+maps a file). The tree:
+
+  manifest.json                     layers, tables, dtype, shape, row_bytes, data_offset, file
+  model.safetensors.index.json      weight_map: tensor name -> table file
+  layers/<L>/<table>.safetensors    one single-tensor safetensors file per table, data page-aligned
+  .engramfs/stats                   JSON counters
+
+MODEL_DIR holds model.safetensors.index.json and its shards, or *.safetensors
+files. Must run as root (or with the right to mount FUSE directly).`)
+	var mf mountFlags
+	mf.register(fl)
+	mf.logFlags.register(fl)
+	if err := fl.Parse(args); err != nil {
+		return err
+	}
+	if fl.NArg() != 2 {
+		return usagef("want MODEL_DIR and MOUNTPOINT, got %d arguments", fl.NArg())
+	}
+	log, err := mf.logger()
+	if err != nil {
+		return err
+	}
+	defer log.Sync() //nolint:errcheck
+	d, err := startDaemon(fl.Arg(0), fl.Arg(1), mf, log)
+	if err != nil {
+		return err
+	}
+
+	sig := make(chan os.Signal, 2)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	gone := make(chan struct{})
+	go func() { d.srv.Wait(); close(gone) }()
+	select {
+	case s := <-sig:
+		log.Info("unmounting", zap.String("signal", s.String()))
+	case <-gone:
+		log.Info("unmounted from outside")
+	}
+	return d.stop()
+}
+
+// daemon is a running mount and everything it owns.
+type daemon struct {
+	srv   *fs.Server
+	store *backing.Store
+	log   *zap.Logger
+}
+
+func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*daemon, error) {
+	mode, err := backing.ParseIOMode(mf.backingIO)
+	if err != nil {
+		return nil, usageError{err}
+	}
+	if mf.queueDepth < 1 || mf.queueDepth > 4096 {
+		return nil, usagef("--queue-depth %d: want 1 to 4096", mf.queueDepth)
+	}
+	model, err := backing.Load(modelDir, mf.tablePattern)
+	if err != nil {
+		return nil, err
+	}
+	st := &stats.Counters{}
+	store, err := backing.Open(model, mode, mf.queueDepth, st)
+	if err != nil {
+		return nil, err
+	}
+	loader := cache.NewLoader(store, model.Tables, st)
+	srv, err := fs.Mount(mountpoint, fs.Options{
+		Model: model, Loader: loader, Stats: st, Log: log,
+		AllowOther: mf.allowOther, Debug: mf.debugFUSE,
+	})
+	if err != nil {
+		store.Close()
+		return nil, err
+	}
+	direct := 0
+	for _, sh := range model.Shards {
+		if store.Direct(sh) {
+			direct++
+		}
+	}
+	log.Info("mounted",
+		zap.String("model", modelDir), zap.String("mountpoint", mountpoint),
+		zap.Int("tables", len(model.Tables)), zap.Int("layers", len(model.Layers)),
+		zap.Int("shards", len(model.Shards)), zap.Int("shards_direct_io", direct),
+		zap.Int("queue_depth", mf.queueDepth))
+	return &daemon{srv: srv, store: store, log: log}, nil
+}
+
+// stop unmounts and releases everything, in the order the kernel needs.
+func (d *daemon) stop() error {
+	err := d.srv.Unmount()
+	if cerr := d.store.Close(); cerr != nil {
+		d.log.Warn("closing shards", zap.Error(cerr))
+	}
+	if err != nil {
+		return fmt.Errorf("%w", err)
+	}
+	d.log.Info("unmounted", zap.String("mountpoint", d.srv.Mountpoint()))
+	return nil
+}

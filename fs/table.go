@@ -1,0 +1,96 @@
+package fs
+
+import (
+	"context"
+	"syscall"
+
+	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"go.uber.org/zap"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/cache"
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// FaultObserver hears of the data pages that demand faults brought in (the
+// hot tier uses them as a hotness signal). It must not block: it is called
+// from the Read handler.
+type FaultObserver interface {
+	Faulted(keys []cache.PageKey)
+}
+
+// tableFile is layers/<L>/<table>.safetensors: the table's own
+// single-tensor safetensors header, padded to a page, then its rows.
+type tableFile struct {
+	roFile
+	t      *backing.Table
+	loader *cache.Loader
+	st     *stats.Counters
+	faults FaultObserver // may be nil
+	log    *zap.Logger   // sampled: Read is a hot path
+}
+
+var (
+	_ = (gofs.NodeOpener)((*tableFile)(nil))
+	_ = (gofs.NodeReader)((*tableFile)(nil))
+)
+
+// Open keeps the page cache across opens (KEEP_CACHE) and skips FLUSH on
+// close (NOFLUSH). Never DIRECT_IO: a shared mmap of a direct-io file fails.
+func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	if flags&writeFlags != 0 {
+		return nil, 0, syscall.EROFS
+	}
+	return nil, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
+}
+
+// Read serves a page fault or read(2) on a table file. With MaxReadAhead 1
+// the kernel asks for exactly the faulting page, so a cold fault costs one
+// page of backing I/O.
+func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	t := f.t
+	if off < 0 || off >= t.FileSize || len(dest) == 0 {
+		return fuse.ReadResultData(nil), 0
+	}
+	end := min(off+int64(len(dest)), t.FileSize)
+	f.st.FuseReads.Add(1)
+	f.st.FuseReadBytes.Add(uint64(end - off))
+
+	hdrLen := int64(len(t.FileHeader))
+	if end <= hdrLen {
+		return fuse.ReadResultData(t.FileHeader[off:end]), 0
+	}
+	first := uint64(max(off, hdrLen)) / cache.PageSize
+	last := uint64(end-1) / cache.PageSize
+	pages, err := f.loader.Load(t.ID, first, last-first+1, cache.OriginFault)
+	if err != nil {
+		f.log.Error("read failed", zap.String("table", t.Name), zap.Int64("offset", off), zap.Int("bytes", len(dest)), zap.Error(err))
+		return nil, syscall.EIO
+	}
+	if f.faults != nil {
+		keys := make([]cache.PageKey, len(pages))
+		for i := range keys {
+			keys[i] = cache.PageKey{Table: t.ID, Page: first + uint64(i)}
+		}
+		f.faults.Faulted(keys)
+	}
+	base := int64(first) * cache.PageSize
+	if off >= hdrLen && len(pages) == 1 {
+		// The common case, one faulting page: hand the loader's buffer to
+		// go-fuse, no copy.
+		return fuse.ReadResultData(pages[0][off-base : end-base]), 0
+	}
+	out := dest[:end-off]
+	n := 0
+	if off < hdrLen {
+		n = copy(out, t.FileHeader[off:])
+	}
+	for i, p := range pages {
+		pageOff := base + int64(i)*cache.PageSize
+		lo := max(off, pageOff) - pageOff
+		hi := min(end, pageOff+int64(len(p))) - pageOff
+		n += copy(out[n:], p[lo:hi])
+	}
+	return fuse.ReadResultData(out[:n]), 0
+}
