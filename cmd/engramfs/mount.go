@@ -1,7 +1,6 @@
 package main
 
 import (
-	"fmt"
 	"os"
 	"os/signal"
 	"syscall"
@@ -82,10 +81,11 @@ files. Must run as root (or with the right to mount FUSE directly).`)
 	select {
 	case s := <-sig:
 		log.Info("unmounting", zap.String("signal", s.String()))
+		return d.stop(true)
 	case <-gone:
-		log.Info("unmounted from outside")
+		log.Info("unmounted from outside", zap.String("mountpoint", d.srv.Mountpoint()))
+		return d.stop(false)
 	}
-	return d.stop()
 }
 
 // daemon is a running mount and everything it owns.
@@ -135,15 +135,21 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 	return &daemon{srv: srv, store: store, log: log}, nil
 }
 
-// stop unmounts and releases everything, in the order the kernel needs.
-func (d *daemon) stop() error {
-	err := d.srv.Unmount()
+// stop unmounts (unless the mount is already gone) and releases
+// everything, in the order the kernel needs.
+func (d *daemon) stop(unmount bool) error {
+	var err error
+	if unmount {
+		err = d.srv.Unmount()
+	}
 	if cerr := d.store.Close(); cerr != nil {
 		d.log.Warn("closing shards", zap.Error(cerr))
 	}
 	if err != nil {
-		return fmt.Errorf("%w", err)
+		return err
 	}
-	d.log.Info("unmounted", zap.String("mountpoint", d.srv.Mountpoint()))
+	if unmount {
+		d.log.Info("unmounted", zap.String("mountpoint", d.srv.Mountpoint()))
+	}
 	return nil
 }

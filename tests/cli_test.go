@@ -1,0 +1,206 @@
+package tests
+
+import (
+	"encoding/binary"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/engramfs/engramfs/backing"
+)
+
+// runMount runs `engramfs mount` and expects it to refuse: non-zero exit,
+// and a message naming each of want.
+func expectMountRefused(t *testing.T, modelDir, mp string, want ...string) {
+	t.Helper()
+	cmd := exec.Command(Binary(t), "mount", modelDir, mp)
+	done := make(chan struct{})
+	var out []byte
+	var err error
+	go func() { out, err = cmd.CombinedOutput(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(30 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+		_ = syscall.Unmount(mp, syscall.MNT_DETACH)
+		t.Fatalf("engramfs mount %s did not refuse (it mounted?):\n%s", modelDir, out)
+	}
+	if err == nil {
+		t.Fatalf("engramfs mount %s exited 0, want a refusal", modelDir)
+	}
+	for _, w := range want {
+		if !strings.Contains(string(out), w) {
+			t.Errorf("refusal does not mention %q:\n%s", w, out)
+		}
+	}
+	if Mounted(mp) {
+		_ = syscall.Unmount(mp, syscall.MNT_DETACH)
+		t.Errorf("%s was left mounted", mp)
+	}
+}
+
+func TestBrokenModelsAreRefused(t *testing.T) {
+	RequireFUSE(t)
+	spec := backing.DefaultSynth()
+	spec.Rows = 64
+	shard1 := "model-00001-of-00002.safetensors"
+	cases := []struct {
+		name  string
+		break_ func(t *testing.T, dir string)
+		want  []string
+	}{
+		{"truncated header", func(t *testing.T, dir string) {
+			p := filepath.Join(dir, shard1)
+			b, _ := os.ReadFile(p)
+			n := binary.LittleEndian.Uint64(b)
+			writeFile(t, p, b[:8+n/2])
+		}, []string{shard1, "runs past the end"}},
+		{"header length past the end", func(t *testing.T, dir string) {
+			p := filepath.Join(dir, shard1)
+			b, _ := os.ReadFile(p)
+			binary.LittleEndian.PutUint64(b, uint64(len(b)))
+			writeFile(t, p, b)
+		}, []string{shard1, "header length"}},
+		{"data past the end", func(t *testing.T, dir string) {
+			p := filepath.Join(dir, shard1)
+			b, _ := os.ReadFile(p)
+			writeFile(t, p, b[:len(b)-100])
+		}, []string{shard1, "past the end of the data"}},
+		{"missing shard", func(t *testing.T, dir string) {
+			if err := os.Remove(filepath.Join(dir, shard1)); err != nil {
+				t.Fatal(err)
+			}
+		}, []string{shard1, "no such file"}},
+		{"shard outside the model directory", func(t *testing.T, dir string) {
+			p := filepath.Join(dir, backing.IndexFile)
+			b, _ := os.ReadFile(p)
+			writeFile(t, p, []byte(strings.ReplaceAll(string(b), shard1, "../"+shard1)))
+		}, []string{backing.IndexFile, "leaves the model directory"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			dir := Synth(t, spec)
+			c.break_(t, dir)
+			mp := filepath.Join(t.TempDir(), "mnt")
+			if err := os.Mkdir(mp, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			expectMountRefused(t, dir, mp, c.want...)
+		})
+	}
+	t.Run("layers with different row counts", func(t *testing.T) {
+		a, b := spec, spec
+		b.Rows = spec.Rows + 1
+		dirA, dirB := Synth(t, a), Synth(t, b)
+		// Layer 1 from a model with another row count: its weight and
+		// scale still agree, so mix weight of one with scale of the other.
+		mixed := filepath.Join(t.TempDir(), "mixed")
+		if err := os.Mkdir(mixed, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		hdrA := tensorHeaders(t, filepath.Join(dirA, shard1))
+		hdrB := tensorHeaders(t, filepath.Join(dirB, shard1))
+		wName, sName := "layers.0.engram.embed.weight", "layers.0.engram.embed.scale"
+		tensors := []backing.TensorInfo{hdrA[wName], hdrB[sName]}
+		tensors[1].Begin, tensors[1].End = tensors[0].End, tensors[0].End+(hdrB[sName].End-hdrB[sName].Begin)
+		h, err := backing.EncodeHeader(tensors, nil, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		writeFile(t, filepath.Join(mixed, "only.safetensors"), append(h, make([]byte, tensors[1].End)...))
+		mp := filepath.Join(t.TempDir(), "mnt")
+		if err := os.Mkdir(mp, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		expectMountRefused(t, mixed, mp, "only.safetensors", "rows")
+	})
+}
+
+func tensorHeaders(t *testing.T, path string) map[string]backing.TensorInfo {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fi, _ := f.Stat()
+	h, err := backing.ReadHeader(f, fi.Size())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h.Tensors
+}
+
+func writeFile(t *testing.T, p string, b []byte) {
+	t.Helper()
+	if err := os.WriteFile(p, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestUnusableMountpointIsRefused(t *testing.T) {
+	RequireFUSE(t)
+	spec := backing.DefaultSynth()
+	spec.Rows = 64
+	dir := Synth(t, spec)
+	expectMountRefused(t, dir, filepath.Join(t.TempDir(), "missing"), "missing", "no such file")
+	file := filepath.Join(t.TempDir(), "file")
+	writeFile(t, file, nil)
+	expectMountRefused(t, dir, file, file, "not a directory")
+}
+
+func TestSIGTERMWithAMappedReaderDetaches(t *testing.T) {
+	spec := backing.DefaultSynth()
+	spec.Rows = 256
+	d := Mount(t, Synth(t, spec))
+	m := mapFile(t, filepath.Join(d.Mountpoint, "layers", "0", "weight.safetensors"))
+	Touch(m, 4096)
+	start := time.Now()
+	if err := d.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-d.Exited():
+	case <-time.After(10 * time.Second):
+		t.Fatalf("daemon did not exit within 10 s of SIGTERM with a mapped reader\n%s", d.Log())
+	}
+	if err := d.ExitErr(); err != nil {
+		t.Fatalf("daemon exited with %v\n%s", err, d.Log())
+	}
+	if Mounted(d.Mountpoint) {
+		t.Fatalf("%s still mounted", d.Mountpoint)
+	}
+	if el := time.Since(start); el > 2*time.Second {
+		t.Errorf("mount gone after %v, want within 2 s", el)
+	}
+	if !strings.Contains(d.Log(), "detached") {
+		t.Errorf("daemon did not say it detached the busy mount:\n%s", d.Log())
+	}
+}
+
+func TestUnmountCommand(t *testing.T) {
+	spec := backing.DefaultSynth()
+	spec.Rows = 64
+	d := Mount(t, Synth(t, spec))
+	out, err := exec.Command(Binary(t), "unmount", d.Mountpoint).CombinedOutput()
+	if err != nil {
+		t.Fatalf("engramfs unmount: %v\n%s", err, out)
+	}
+	select {
+	case <-d.Exited():
+	case <-time.After(10 * time.Second):
+		t.Fatalf("daemon did not exit after its mount was unmounted\n%s", d.Log())
+	}
+	if err := d.ExitErr(); err != nil {
+		t.Fatalf("daemon exited with %v", err)
+	}
+	out, err = exec.Command(Binary(t), "unmount", d.Mountpoint).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "not a mount point") {
+		t.Fatalf("unmount of a non-mount: %v, %s; want a 'not a mount point' error", err, out)
+	}
+}
