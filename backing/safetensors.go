@@ -60,8 +60,10 @@ func ReadHeader(r io.ReaderAt, fileSize int64) (*Header, error) {
 	if fileSize < 8 {
 		return nil, fmt.Errorf("file is %d bytes, shorter than the 8-byte header length", fileSize)
 	}
+	// io.ReaderAt may return io.EOF along with a full buffer at the end of
+	// the input: only a short read is an error.
 	var lenBuf [8]byte
-	if _, err := r.ReadAt(lenBuf[:], 0); err != nil {
+	if got, err := r.ReadAt(lenBuf[:], 0); got < len(lenBuf) {
 		return nil, fmt.Errorf("read header length: %w", err)
 	}
 	n := binary.LittleEndian.Uint64(lenBuf[:])
@@ -72,7 +74,7 @@ func ReadHeader(r io.ReaderAt, fileSize int64) (*Header, error) {
 		return nil, fmt.Errorf("header length %d runs past the end of the file (%d bytes)", n, fileSize)
 	}
 	buf := make([]byte, n)
-	if _, err := r.ReadAt(buf, 8); err != nil {
+	if got, err := r.ReadAt(buf, 8); got < len(buf) {
 		return nil, fmt.Errorf("read header: %w", err)
 	}
 	return ParseHeader(buf, fileSize)
@@ -91,6 +93,9 @@ func ParseHeader(buf []byte, fileSize int64) (*Header, error) {
 	var top map[string]json.RawMessage
 	if err := json.Unmarshal(buf, &top); err != nil {
 		return nil, fmt.Errorf("header is not a JSON object: %w", err)
+	}
+	if top == nil { // `null` unmarshals into a map without error
+		return nil, fmt.Errorf("header is not a JSON object: null")
 	}
 	for name, raw := range top {
 		if name == "__metadata__" {
@@ -138,7 +143,10 @@ func checkTensor(name string, rt rawTensor, dataLen int64) (TensorInfo, error) {
 		return ti, nil
 	}
 	hi, want := bits.Mul64(elems, uint64(size))
-	if hi != 0 || want != uint64(ti.End-ti.Begin) {
+	if hi != 0 {
+		return ti, fmt.Errorf("dtype %s and shape %v: the byte size overflows", rt.Dtype, rt.Shape)
+	}
+	if want != uint64(ti.End-ti.Begin) {
 		return ti, fmt.Errorf("dtype %s and shape %v need %d bytes, data_offsets [%d, %d] hold %d",
 			rt.Dtype, rt.Shape, want, ti.Begin, ti.End, ti.End-ti.Begin)
 	}
