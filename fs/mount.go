@@ -29,6 +29,7 @@ type Options struct {
 	Stats  *stats.Counters
 	Log    *zap.Logger
 	Faults FaultObserver // optional: told of demand-faulted pages
+	Hints  Hinter        // optional: where control-file frames go
 
 	// AllowOther lets users other than the daemon's read the mount. Off by
 	// default: the hint control file is owner-only either way.

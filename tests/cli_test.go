@@ -50,9 +50,9 @@ func TestBrokenModelsAreRefused(t *testing.T) {
 	spec.Rows = 64
 	shard1 := "model-00001-of-00002.safetensors"
 	cases := []struct {
-		name  string
+		name   string
 		break_ func(t *testing.T, dir string)
-		want  []string
+		want   []string
 	}{
 		{"truncated header", func(t *testing.T, dir string) {
 			p := filepath.Join(dir, shard1)

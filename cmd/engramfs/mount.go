@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"os/signal"
+	"sync"
 	"syscall"
 
 	"go.uber.org/zap"
@@ -11,6 +12,7 @@ import (
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/fs"
 	"github.com/engramfs/engramfs/internal/stats"
+	"github.com/engramfs/engramfs/prefetch"
 )
 
 // mountFlags are the settings of a mount, with their defaults.
@@ -18,6 +20,7 @@ type mountFlags struct {
 	tablePattern string
 	queueDepth   int
 	backingIO    string
+	prefillQueue int
 	allowOther   bool
 	debugFUSE    bool
 	logFlags
@@ -33,6 +36,8 @@ func (f *mountFlags) register(fl interface {
 	fl.IntVar(&f.queueDepth, "queue-depth", 64, "backing reads in flight at most, across all shards")
 	fl.StringVar(&f.backingIO, "backing-io", "auto",
 		"how shards are read: direct (O_DIRECT, no backing page cache), buffered (FADV_RANDOM, FADV_DONTNEED after each read), or auto (direct where the filesystem accepts it)")
+	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultConfig(1).PrefillQueuePages,
+		"prefill pages queued at most; past it the oldest prefill hints are dropped (decode hints are never dropped)")
 	fl.BoolVar(&f.allowOther, "allow-other", false,
 		"let users other than the daemon's read the mount (the control file stays owner-only)")
 	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
@@ -52,6 +57,7 @@ maps a file). The tree:
   model.safetensors.index.json      weight_map: tensor name -> table file
   layers/<L>/<table>.safetensors    one single-tensor safetensors file per table, data page-aligned
   .engramfs/stats                   JSON counters
+  .engramfs/control                 hints: write frames, fsync waits for them (owner only)
 
 MODEL_DIR holds model.safetensors.index.json and its shards, or *.safetensors
 files. Must run as root (or with the right to mount FUSE directly).`)
@@ -92,6 +98,7 @@ files. Must run as root (or with the right to mount FUSE directly).`)
 type daemon struct {
 	srv   *fs.Server
 	store *backing.Store
+	pf    *prefetch.Prefetcher
 	log   *zap.Logger
 }
 
@@ -113,14 +120,23 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		return nil, err
 	}
 	loader := cache.NewLoader(store, model.Tables, st)
+	// The prefetcher needs the mount to push into, and the mount needs the
+	// prefetcher to take hints: the pusher is bound once the mount is live.
+	pusher := &latePusher{}
+	pcfg := prefetch.DefaultConfig(mf.queueDepth)
+	pcfg.PrefillQueuePages = mf.prefillQueue
+	pf := prefetch.New(pcfg, model, loader, pusher, nil, st, log)
 	srv, err := fs.Mount(mountpoint, fs.Options{
 		Model: model, Loader: loader, Stats: st, Log: log,
+		Faults: faultFanout{pf: pf, st: st}, Hints: pf,
 		AllowOther: mf.allowOther, Debug: mf.debugFUSE,
 	})
 	if err != nil {
+		pf.Close()
 		store.Close()
 		return nil, err
 	}
+	pusher.bind(srv)
 	direct := 0
 	for _, sh := range model.Shards {
 		if store.Direct(sh) {
@@ -132,12 +148,14 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		zap.Int("tables", len(model.Tables)), zap.Int("layers", len(model.Layers)),
 		zap.Int("shards", len(model.Shards)), zap.Int("shards_direct_io", direct),
 		zap.Int("queue_depth", mf.queueDepth))
-	return &daemon{srv: srv, store: store, log: log}, nil
+	return &daemon{srv: srv, store: store, pf: pf, log: log}, nil
 }
 
 // stop unmounts (unless the mount is already gone) and releases
 // everything, in the order the kernel needs.
 func (d *daemon) stop(unmount bool) error {
+	// Stop pushing before the mount goes away.
+	d.pf.Close()
 	var err error
 	if unmount {
 		err = d.srv.Unmount()
@@ -152,4 +170,37 @@ func (d *daemon) stop(unmount bool) error {
 		d.log.Info("unmounted", zap.String("mountpoint", d.srv.Mountpoint()))
 	}
 	return nil
+}
+
+// latePusher forwards stores to the mount once it exists.
+type latePusher struct {
+	mu  sync.RWMutex
+	srv *fs.Server
+}
+
+func (p *latePusher) bind(s *fs.Server) { p.mu.Lock(); p.srv = s; p.mu.Unlock() }
+
+func (p *latePusher) Store(table uint32, off int64, data []byte) error {
+	p.mu.RLock()
+	srv := p.srv
+	p.mu.RUnlock()
+	if srv == nil {
+		return prefetch.ErrNotLookedUp
+	}
+	return srv.Store(table, off, data)
+}
+
+// faultFanout tells the prefetcher's late counter (and the hot tier) about
+// demand faults.
+type faultFanout struct {
+	pf *prefetch.Prefetcher
+	st *stats.Counters
+}
+
+func (f faultFanout) Faulted(keys []cache.PageKey) {
+	for _, k := range keys {
+		if f.pf.Queued(k) {
+			f.st.PrefetchLate.Add(1)
+		}
+	}
 }

@@ -1,0 +1,296 @@
+package tests
+
+import (
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/hints"
+)
+
+// openControl opens the control file for writing.
+func openControl(t testing.TB, d *Daemon) *os.File {
+	t.Helper()
+	f, err := os.OpenFile(filepath.Join(d.Mountpoint, ".engramfs", "control"), os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+// layerMaps maps every table file of layer (keeping their inodes known to
+// the kernel, as a real reader does) with MADV_RANDOM.
+func layerMaps(t testing.TB, d *Daemon, m *backing.Model, layer int) map[*backing.Table][]byte {
+	t.Helper()
+	out := map[*backing.Table][]byte{}
+	for _, tb := range m.LayerTables(layer) {
+		b := mapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
+		if err := unix.Madvise(b, unix.MADV_RANDOM); err != nil {
+			t.Fatal(err)
+		}
+		out[tb] = b
+	}
+	return out
+}
+
+// resident reports, for each page of b, whether it is in the page cache.
+func resident(t testing.TB, b []byte) []bool {
+	t.Helper()
+	vec := make([]byte, (len(b)+4095)/4096)
+	if _, _, e := syscall.Syscall(syscall.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
+		t.Fatalf("mincore: %v", e)
+	}
+	out := make([]bool, len(vec))
+	for i, v := range vec {
+		out[i] = v&1 != 0
+	}
+	return out
+}
+
+// rowsResident reports how many of the pages holding rows are resident.
+func rowsResident(t testing.TB, tb *backing.Table, b []byte, rows []uint64) (res, total int) {
+	r := resident(t, b)
+	seen := map[uint64]bool{}
+	for _, row := range rows {
+		first, last := tb.RowPages(row)
+		for p := first; p <= last; p++ {
+			if seen[p] {
+				continue
+			}
+			seen[p] = true
+			total++
+			if r[p] {
+				res++
+			}
+		}
+	}
+	return res, total
+}
+
+func randomRows(rng *rand.Rand, n int, rows uint64) []uint64 {
+	out := make([]uint64, n)
+	for i := range out {
+		out[i] = rng.Uint64N(rows)
+	}
+	return out
+}
+
+func gatherAndCheck(t testing.TB, d *Daemon, maps map[*backing.Table][]byte, rows []uint64) {
+	t.Helper()
+	for tb, b := range maps {
+		want := ShardTable(t, d.ModelDir, tb.Name)
+		data := b[len(tb.FileHeader):]
+		for _, r := range rows {
+			lo, hi := r*uint64(tb.RowBytes), (r+1)*uint64(tb.RowBytes)
+			if string(data[lo:hi]) != string(want[lo:hi]) {
+				t.Fatalf("%s row %d differs from the shard", tb.Path(), r)
+			}
+		}
+	}
+}
+
+func TestDecodeHintThenBarrierMakesRowsResident(t *testing.T) {
+	for name, spec := range geometries() {
+		for _, proto := range []string{"binary", "text"} {
+			t.Run(name+"/"+proto, func(t *testing.T) {
+				d := Mount(t, Synth(t, spec))
+				m := Model(t, d.ModelDir)
+				maps := layerMaps(t, d, m, 1)
+				rows := randomRows(rand.New(rand.NewPCG(5, 6)), 72, spec.Rows)
+				ctl := openControl(t, d)
+				var frame []byte
+				if proto == "binary" {
+					frame = hints.AppendBinary(nil, hints.Decode, 1, rows)
+				} else {
+					frame = hints.AppendText(nil, hints.Decode, 1, rows)
+				}
+				if _, err := ctl.Write(frame); err != nil {
+					t.Fatal(err)
+				}
+				if err := ctl.Sync(); err != nil {
+					t.Fatalf("fsync (barrier): %v", err)
+				}
+				for tb, b := range maps {
+					if res, total := rowsResident(t, tb, b, rows); res != total {
+						t.Fatalf("%s: %d of %d hinted pages resident after the barrier", tb.Path(), res, total)
+					}
+				}
+				before := d.Stats(t)
+				gatherAndCheck(t, d, maps, rows)
+				after := d.Stats(t)
+				if after.FuseReads != before.FuseReads {
+					t.Fatalf("the gather after the barrier caused %d FUSE reads, want 0", after.FuseReads-before.FuseReads)
+				}
+				if after.HintFrames != 1 || after.HintRows != 72 || after.PrefetchPagesStored == 0 {
+					t.Fatalf("stats after one frame: %+v", after)
+				}
+			})
+		}
+	}
+}
+
+func TestPrefillHintBecomesResidentWithoutWait(t *testing.T) {
+	spec := geometries()["4096B"]
+	d := Mount(t, Synth(t, spec))
+	m := Model(t, d.ModelDir)
+	maps := layerMaps(t, d, m, 0)
+	rows := randomRows(rand.New(rand.NewPCG(7, 8)), 500, spec.Rows)
+	ctl := openControl(t, d)
+	if _, err := ctl.Write(hints.AppendBinary(nil, hints.Prefill, 0, rows)); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		all := true
+		for tb, b := range maps {
+			if res, total := rowsResident(t, tb, b, rows); res != total {
+				all = false
+			}
+		}
+		if all {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("prefill rows not resident after 30 s; stats %+v", d.Stats(t))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	before := d.Stats(t)
+	gatherAndCheck(t, d, maps, rows)
+	if after := d.Stats(t); after.FuseReads != before.FuseReads {
+		t.Fatalf("gather of prefetched rows caused %d FUSE reads", after.FuseReads-before.FuseReads)
+	}
+}
+
+func TestBadFrameIsRefusedAndTheNextWorks(t *testing.T) {
+	spec := geometries()["flash"]
+	d := Mount(t, Synth(t, spec))
+	m := Model(t, d.ModelDir)
+	maps := layerMaps(t, d, m, 0)
+	ctl := openControl(t, d)
+	bad := map[string][]byte{
+		"unknown layer":    hints.AppendBinary(nil, hints.Decode, 7, []uint64{1}),
+		"row out of range": hints.AppendBinary(nil, hints.Decode, 0, []uint64{spec.Rows}),
+		"bad magic":        append([]byte("EGHX"), make([]byte, 8)...),
+		"bad class":        {'E', 'G', 'H', '1', 9, 0, 0, 0, 1, 0, 0, 0},
+		"count over limit": {'E', 'G', 'H', '1', 1, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f},
+		"text garbage":     []byte("fetch 0 1 2\n"),
+		"text bad row":     []byte("decode 0 12x\n"),
+	}
+	good := []uint64{3, 1000, 17000}
+	for name, frame := range bad {
+		_, err := ctl.Write(frame)
+		if !errors.Is(err, syscall.EINVAL) {
+			t.Fatalf("%s: write returned %v, want EINVAL", name, err)
+		}
+		// The next good frame on the same handle is accepted and served.
+		if _, err := ctl.Write(hints.AppendBinary(nil, hints.Decode, 0, good)); err != nil {
+			t.Fatalf("%s: the good frame after it failed: %v", name, err)
+		}
+		if err := ctl.Sync(); err != nil {
+			t.Fatalf("%s: barrier after a good frame: %v", name, err)
+		}
+	}
+	for tb, b := range maps {
+		if res, total := rowsResident(t, tb, b, good); res != total {
+			t.Fatalf("%s: %d of %d pages resident", tb.Path(), res, total)
+		}
+	}
+	if st := d.Stats(t); st.HintRejected != uint64(len(bad)) || st.HintFrames != uint64(len(bad)) {
+		t.Fatalf("hint_rejected %d, hint_frames %d; want %d each", st.HintRejected, st.HintFrames, len(bad))
+	}
+}
+
+func TestFramesSplitAcrossManySmallWrites(t *testing.T) {
+	spec := geometries()["flash"]
+	d := Mount(t, Synth(t, spec))
+	m := Model(t, d.ModelDir)
+	maps := layerMaps(t, d, m, 1)
+	rng := rand.New(rand.NewPCG(9, 10))
+	rowsA, rowsB := randomRows(rng, 300, spec.Rows), randomRows(rng, 300, spec.Rows)
+	stream := hints.AppendBinary(nil, hints.Decode, 1, rowsA)
+	stream = append(stream, "# a comment line\n"...)
+	stream = hints.AppendText(stream, hints.Prefill, 1, rowsB)
+	ctl := openControl(t, d)
+	for i := 0; i < len(stream); i += 7 {
+		if _, err := ctl.Write(stream[i:min(i+7, len(stream))]); err != nil {
+			t.Fatalf("write at %d: %v", i, err)
+		}
+	}
+	if err := ctl.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	for tb, b := range maps {
+		if res, total := rowsResident(t, tb, b, append(rowsA, rowsB...)); res != total {
+			t.Fatalf("%s: %d of %d pages resident", tb.Path(), res, total)
+		}
+	}
+	if st := d.Stats(t); st.HintFrames != 2 || st.HintRows != 600 {
+		t.Fatalf("frames %d rows %d, want 2 and 600", st.HintFrames, st.HintRows)
+	}
+}
+
+func TestSeveralProcessesHintAtOnce(t *testing.T) {
+	spec := geometries()["flash"]
+	d := Mount(t, Synth(t, spec))
+	m := Model(t, d.ModelDir)
+	maps := layerMaps(t, d, m, 0)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	all := make([][]uint64, 8)
+	for i := range all {
+		all[i] = randomRows(rand.New(rand.NewPCG(uint64(i), 11)), 400, spec.Rows)
+	}
+	// Each "process" is its own open file description with its own barrier;
+	// separate processes are exercised by the Python client test.
+	for i := range all {
+		wg.Add(1)
+		go func(rows []uint64) {
+			defer wg.Done()
+			f, err := os.OpenFile(filepath.Join(d.Mountpoint, ".engramfs", "control"), os.O_WRONLY, 0)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer f.Close()
+			for j := 0; j < len(rows); j += 50 {
+				if _, err := f.Write(hints.AppendBinary(nil, hints.Decode, 0, rows[j:j+50])); err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- f.Sync()
+		}(all[i])
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	var rows []uint64
+	for _, r := range all {
+		rows = append(rows, r...)
+	}
+	for tb, b := range maps {
+		if res, total := rowsResident(t, tb, b, rows); res != total {
+			t.Fatalf("%s: %d of %d pages resident", tb.Path(), res, total)
+		}
+	}
+	before := d.Stats(t)
+	gatherAndCheck(t, d, maps, rows)
+	if after := d.Stats(t); after.FuseReads != before.FuseReads {
+		t.Fatalf("gather caused %d FUSE reads", after.FuseReads-before.FuseReads)
+	}
+}
