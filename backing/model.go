@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"sort"
 	"strconv"
+	"strings"
 )
 
 // DefaultTablePattern finds engram tables among a model's tensors. The named
@@ -165,16 +166,22 @@ func Load(dir, pattern string) (*Model, error) {
 	}
 
 	if weightMap == nil {
-		names, err := filepath.Glob(filepath.Join(dir, "*.safetensors"))
+		// Not filepath.Glob: a directory name may hold glob metacharacters
+		// ("model[1]"), and Glob would then match nothing.
+		entries, err := os.ReadDir(dir)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("model directory %s: %w", dir, err)
+		}
+		var names []string // sorted, as ReadDir returns them
+		for _, e := range entries {
+			if strings.HasSuffix(e.Name(), ".safetensors") {
+				names = append(names, e.Name())
+			}
 		}
 		if len(names) == 0 {
 			return nil, fmt.Errorf("model directory %s: no %s and no *.safetensors files", dir, IndexFile)
 		}
-		sort.Strings(names)
-		for _, p := range names {
-			name := filepath.Base(p)
+		for _, name := range names {
 			h, err := openShard(name)
 			if err != nil {
 				return nil, err
@@ -184,7 +191,7 @@ func Load(dir, pattern string) (*Model, error) {
 					continue
 				}
 				if prev, dup := wanted[tn]; dup {
-					return nil, fmt.Errorf("tensor %q is in both %s and %s", tn, prev, name)
+					return nil, fmt.Errorf("shard %s: tensor %q is also in shard %s", filepath.Join(dir, name), tn, filepath.Join(dir, prev))
 				}
 				wanted[tn] = name
 			}
@@ -234,7 +241,8 @@ func Load(dir, pattern string) (*Model, error) {
 	for i, t := range m.Tables {
 		t.ID = uint32(i)
 		if prev, dup := seen[t.Path()]; dup {
-			return nil, fmt.Errorf("tensors %q and %q are both layer %d table %q", prev.Name, t.Name, t.Layer, t.Kind)
+			return nil, fmt.Errorf("shard %s: tensor %q is layer %d table %q, as is tensor %q of shard %s",
+				t.Shard.Path, t.Name, t.Layer, t.Kind, prev.Name, prev.Shard.Path)
 		}
 		seen[t.Path()] = t
 		if n, ok := m.rows[t.Layer]; !ok {
@@ -245,8 +253,14 @@ func Load(dir, pattern string) (*Model, error) {
 				t.Shard.Path, t.Name, t.Rows, t.Layer, n)
 		}
 	}
-	for _, s := range shards {
-		m.Shards = append(m.Shards, s)
+	// Only the shards that hold tables: in glob mode every shard was opened to
+	// find the tables, but the store need not keep the others open.
+	held := map[*Shard]bool{}
+	for _, t := range m.Tables {
+		if !held[t.Shard] {
+			held[t.Shard] = true
+			m.Shards = append(m.Shards, t.Shard)
+		}
 	}
 	sort.Slice(m.Shards, func(i, j int) bool { return m.Shards[i].Name < m.Shards[j].Name })
 	return m, nil

@@ -94,7 +94,7 @@ func ParseHeader(buf []byte, fileSize int64) (*Header, error) {
 	if err := json.Unmarshal(buf, &top); err != nil {
 		return nil, fmt.Errorf("header is not a JSON object: %w", err)
 	}
-	if top == nil { // `null` unmarshals into a map without error
+	if top == nil { // json.Unmarshal of `null` into a map succeeds, leaving it nil
 		return nil, fmt.Errorf("header is not a JSON object: null")
 	}
 	for name, raw := range top {
