@@ -1,0 +1,134 @@
+"""Checks the bytes engramfs_hints writes against the binary frame layout.
+
+A temp directory with a regular .engramfs/control file stands in for a mount.
+Run: python3 -m unittest (from this directory).
+"""
+
+import errno
+import os
+import sys
+import tempfile
+import unittest
+from array import array
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engramfs_hints as eh  # noqa: E402
+
+try:
+    import numpy
+except ImportError:
+    numpy = None
+
+
+def frame(cls, layer, rows):
+    """The layout spelled out byte by byte, independent of the module's struct."""
+    out = b'EGH1' + bytes([cls, 0]) + layer.to_bytes(2, 'little') + len(rows).to_bytes(4, 'little')
+    for r in rows:
+        out += r.to_bytes(8, 'little')
+    return out
+
+
+class HinterTest(unittest.TestCase):
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.mount = tmp.name
+        os.mkdir(os.path.join(self.mount, '.engramfs'))
+        self.control = os.path.join(self.mount, '.engramfs', 'control')
+        open(self.control, 'wb').close()
+
+    def written(self):
+        with open(self.control, 'rb') as f:
+            return f.read()
+
+    def test_layout_literal(self):
+        with eh.Hinter(self.mount) as h:
+            h.prefill(3, [1, 0x0102030405060708])
+            h.decode(0x0203, [2**64 - 1])
+        self.assertEqual(self.written(),
+                         b'EGH1\x00\x00\x03\x00\x02\x00\x00\x00'
+                         b'\x01\x00\x00\x00\x00\x00\x00\x00'
+                         b'\x08\x07\x06\x05\x04\x03\x02\x01'
+                         b'EGH1\x01\x00\x03\x02\x01\x00\x00\x00'
+                         b'\xff\xff\xff\xff\xff\xff\xff\xff')
+
+    def test_row_containers(self):
+        with eh.Hinter(self.mount) as h:
+            h.decode(1, (5, 6))
+            h.decode(1, range(3))
+            h.prefill(2, array('L', [7, 8]))
+            h.prefill(2, iter([9]))
+        self.assertEqual(self.written(),
+                         frame(1, 1, [5, 6]) + frame(1, 1, [0, 1, 2]) +
+                         frame(0, 2, [7, 8]) + frame(0, 2, [9]))
+
+    def test_empty_rows_send_nothing(self):
+        with eh.Hinter(self.mount) as h:
+            h.prefill(0, [])
+        self.assertEqual(self.written(), b'')
+
+    def test_split_into_frames_one_write_each(self):
+        with mock.patch.object(eh, 'MAX_ROWS_PER_FRAME', 3), \
+                mock.patch.object(eh.os, 'write', wraps=os.write) as write, \
+                eh.Hinter(self.mount) as h:
+            h.prefill(4, range(7))
+        self.assertEqual(write.call_count, 3)
+        self.assertEqual(self.written(),
+                         frame(0, 4, [0, 1, 2]) + frame(0, 4, [3, 4, 5]) + frame(0, 4, [6]))
+
+    @unittest.skipIf(numpy is None, 'numpy is not installed')
+    def test_numpy(self):
+        with eh.Hinter(self.mount) as h:
+            h.decode(5, numpy.array([3, 2**40], dtype=numpy.uint64))
+            h.decode(5, numpy.array([1, 2], dtype='>i4'))  # converted, not reinterpreted
+            h.prefill(6, numpy.arange(4, dtype=numpy.int64).reshape(2, 2))
+            h.prefill(6, numpy.array([], dtype=numpy.uint64))
+            with self.assertRaises(ValueError):
+                h.decode(5, numpy.array([1, -1]))
+            with self.assertRaises(TypeError):
+                h.decode(5, numpy.array([1.5]))
+        self.assertEqual(self.written(),
+                         frame(1, 5, [3, 2**40]) + frame(1, 5, [1, 2]) + frame(0, 6, [0, 1, 2, 3]))
+
+    def test_bad_arguments_write_nothing(self):
+        with eh.Hinter(self.mount) as h:
+            for layer in (-1, 65536, 1.0):
+                with self.assertRaisesRegex(ValueError, 'layer out of range'):
+                    h.decode(layer, [1])
+            with self.assertRaises(OverflowError):
+                h.decode(0, [-1])
+            with self.assertRaises(OverflowError):
+                h.decode(0, [2**64])
+        self.assertEqual(self.written(), b'')
+
+    def test_wait_close(self):
+        h = eh.Hinter(self.mount)
+        h.decode(0, [1])
+        h.wait()
+        h.close()
+        h.close()
+        with self.assertRaisesRegex(ValueError, 'closed'):
+            h.decode(0, [1])
+        with self.assertRaisesRegex(ValueError, 'closed'):
+            h.wait()
+
+    def test_missing_control(self):
+        with tempfile.TemporaryDirectory() as empty:
+            with self.assertRaises(FileNotFoundError):
+                eh.Hinter(empty)
+
+    @unittest.skipUnless(os.path.exists('/dev/full'), 'needs /dev/full')
+    def test_write_error_has_context(self):
+        os.remove(self.control)
+        os.symlink('/dev/full', self.control)
+        with eh.Hinter(self.mount) as h:
+            with self.assertRaises(OSError) as cm:
+                h.decode(3, [1])
+        self.assertEqual(cm.exception.errno, errno.ENOSPC)
+        self.assertIn('hint decode layer 3', str(cm.exception))
+        self.assertEqual(cm.exception.filename, self.control)
+
+
+if __name__ == '__main__':
+    unittest.main()
