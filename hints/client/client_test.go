@@ -1,0 +1,211 @@
+package client
+
+import (
+	"errors"
+	"io/fs"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/engramfs/engramfs/hints"
+)
+
+// fakeMount makes a directory whose .engramfs/control is a regular file, so
+// the bytes a client writes can be read back.
+func fakeMount(t *testing.T) (mount, control string) {
+	t.Helper()
+	mount = t.TempDir()
+	control = filepath.Join(mount, ".engramfs", "control")
+	if err := os.Mkdir(filepath.Dir(control), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(control, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return mount, control
+}
+
+type everyLayer struct{}
+
+func (everyLayer) LayerRows(int) (uint64, bool) { return math.MaxUint64, true }
+
+// decodeFile decodes what the client wrote, as the filesystem would.
+func decodeFile(t *testing.T, control string) []hints.Frame {
+	t.Helper()
+	data, err := os.ReadFile(control)
+	if err != nil {
+		t.Fatal(err)
+	}
+	frames, err := hints.NewDecoder(everyLayer{}).Write(data)
+	if err != nil {
+		t.Fatalf("decoding %d bytes written: %v", len(data), err)
+	}
+	return frames
+}
+
+func TestFramesDecodeBack(t *testing.T) {
+	mount, control := fakeMount(t)
+	h, err := Open(mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	steps := []struct {
+		send func(int, []uint64) error
+		hints.Frame
+	}{
+		{h.Prefill, hints.Frame{Class: hints.Prefill, Layer: 3, Rows: []uint64{0, 1, 1 << 40, math.MaxUint64 - 1}}},
+		{h.Decode, hints.Frame{Class: hints.Decode, Layer: hints.MaxLayer, Rows: []uint64{7}}},
+		{h.Decode, hints.Frame{Class: hints.Decode, Layer: 0}}, // no rows: nothing is written
+	}
+	var want []hints.Frame
+	for _, s := range steps {
+		if err := s.send(s.Layer, s.Rows); err != nil {
+			t.Fatal(err)
+		}
+		if len(s.Rows) > 0 {
+			want = append(want, s.Frame)
+		}
+	}
+	if err := h.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got := decodeFile(t, control); !reflect.DeepEqual(got, want) {
+		t.Fatalf("decoded %v, want %v", got, want)
+	}
+}
+
+func TestSplitsAtMaxRowsPerFrame(t *testing.T) {
+	if testing.Short() {
+		t.Skip("writes 32 MiB")
+	}
+	mount, control := fakeMount(t)
+	h, err := Open(mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	rows := make([]uint64, hints.MaxRowsPerFrame+2)
+	rows[len(rows)-1] = 42
+	if err := h.Prefill(1, rows); err != nil {
+		t.Fatal(err)
+	}
+	got := decodeFile(t, control)
+	if len(got) != 2 || len(got[0].Rows) != hints.MaxRowsPerFrame || !reflect.DeepEqual(got[1].Rows, []uint64{0, 42}) {
+		t.Fatalf("got %d frames, want one of %d rows and one of rows [0 42]", len(got), hints.MaxRowsPerFrame)
+	}
+	if h.buf != nil {
+		t.Fatalf("kept a %d-byte frame buffer", cap(h.buf))
+	}
+}
+
+func TestErrors(t *testing.T) {
+	if _, err := Open(t.TempDir()); !errors.Is(err, fs.ErrNotExist) || !strings.Contains(err.Error(), "control") {
+		t.Errorf("Open without a control file: %v", err)
+	}
+
+	mount, control := fakeMount(t)
+	h, err := Open(mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, layer := range []int{-1, hints.MaxLayer + 1} {
+		if err := h.Decode(layer, []uint64{1}); err == nil || !strings.Contains(err.Error(), "layer out of range") {
+			t.Errorf("Decode(%d): %v", layer, err)
+		}
+	}
+	if fi, _ := os.Stat(control); fi.Size() != 0 {
+		t.Errorf("rejected hints wrote %d bytes", fi.Size())
+	}
+	h.Close()
+	if err := h.Prefill(3, []uint64{1}); !errors.Is(err, os.ErrClosed) || !strings.HasPrefix(err.Error(), "hint prefill layer 3: write ") {
+		t.Errorf("Prefill after Close: %v", err)
+	}
+}
+
+// A write error is the syscall's, with the class and layer in front.
+func TestWriteErrorContext(t *testing.T) {
+	if _, err := os.Stat("/dev/full"); err != nil {
+		t.Skip("needs /dev/full")
+	}
+	mount, control := fakeMount(t)
+	os.Remove(control)
+	if err := os.Symlink("/dev/full", control); err != nil {
+		t.Fatal(err)
+	}
+	h, err := Open(mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	err = h.Decode(3, []uint64{1})
+	want := "hint decode layer 3: write " + control + ": no space left on device"
+	if !errors.Is(err, syscall.ENOSPC) || err.Error() != want {
+		t.Fatalf("Decode to a full device: %v, want %q", err, want)
+	}
+}
+
+func python(t *testing.T) string {
+	t.Helper()
+	// Debian's python3 has numpy, so prefer it over one earlier in PATH.
+	if _, err := os.Stat("/usr/bin/python3"); err == nil {
+		return "/usr/bin/python3"
+	}
+	p, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not found: skipping the Python client's tests")
+	}
+	return p
+}
+
+func pythonCmd(t *testing.T, args ...string) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(python(t), append([]string{"-B"}, args...)...)
+	cmd.Dir = filepath.Join("..", "python")
+	cmd.Env = append(os.Environ(), "PYTHONDONTWRITEBYTECODE=1")
+	return cmd
+}
+
+func TestPythonUnittest(t *testing.T) {
+	out, err := pythonCmd(t, "-m", "unittest", "-v", "test_engramfs_hints").CombinedOutput()
+	if err != nil {
+		t.Fatalf("python unittest: %v\n%s", err, out)
+	}
+	t.Logf("%s", out)
+}
+
+// The Python client's frames decode in Go to what it was asked to send.
+func TestPythonFramesDecodeInGo(t *testing.T) {
+	mount, control := fakeMount(t)
+	script := `
+import sys
+import engramfs_hints as eh
+try:
+    import numpy
+except ImportError:
+    numpy = None
+with eh.Hinter(sys.argv[1]) as h:
+    h.prefill(3, [0, 1, 2**40, 2**64 - 2])
+    h.decode(0, range(5))
+    h.decode(65535, numpy.arange(3, dtype=numpy.uint32) if numpy is not None else [0, 1, 2])
+    h.wait()
+`
+	if out, err := pythonCmd(t, "-c", script, mount).CombinedOutput(); err != nil {
+		t.Fatalf("python: %v\n%s", err, out)
+	}
+	want := []hints.Frame{
+		{Class: hints.Prefill, Layer: 3, Rows: []uint64{0, 1, 1 << 40, math.MaxUint64 - 1}},
+		{Class: hints.Decode, Layer: 0, Rows: []uint64{0, 1, 2, 3, 4}},
+		{Class: hints.Decode, Layer: 65535, Rows: []uint64{0, 1, 2}},
+	}
+	if got := decodeFile(t, control); !reflect.DeepEqual(got, want) {
+		t.Fatalf("decoded %v, want %v", got, want)
+	}
+}
