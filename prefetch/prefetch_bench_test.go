@@ -1,0 +1,82 @@
+package prefetch
+
+import (
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync/atomic"
+	"testing"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/cache"
+	"github.com/engramfs/engramfs/hints"
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// memReader serves table bytes from memory: the benchmark measures the
+// scheduler (queues, dedup, claims, merges), not the disk.
+type memReader struct{ buf []byte }
+
+func (m memReader) ReadTable(t *backing.Table, off int64, n int) ([]byte, error) {
+	return m.buf[:n:n], nil
+}
+
+type countingPusher struct{ pages atomic.Uint64 }
+
+func (c *countingPusher) Store(table uint32, off int64, data []byte) error {
+	c.pages.Add(uint64((len(data) + cache.PageSize - 1) / cache.PageSize))
+	return nil
+}
+
+// BenchmarkPrefillFrame pushes one prefill chunk (20,000 random rows of a
+// 1M-row layer, two tables) through the prefetcher and waits for it.
+func BenchmarkPrefillFrame(b *testing.B) {
+	m, err := backing.Load(sparseModel(b, 1<<20), backing.DefaultTablePattern)
+	if err != nil {
+		b.Fatal(err)
+	}
+	st := &stats.Counters{}
+	loader := cache.NewLoader(memReader{buf: make([]byte, cache.MaxRunPages*cache.PageSize)}, m.Tables, st)
+	pusher := &countingPusher{}
+	p := New(DefaultConfig(64), m, loader, pusher, nil, st, nil)
+	defer p.Close()
+	rng := rand.New(rand.NewPCG(1, 2))
+	rows := make([]uint64, 20000)
+	b.ResetTimer()
+	for range b.N {
+		for i := range rows {
+			rows[i] = rng.Uint64N(1 << 20)
+		}
+		bar := NewBarrier()
+		p.Submit(hints.Prefill, 0, rows, bar)
+		if err := bar.Wait(b.Context()); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(len(rows)*b.N)/b.Elapsed().Seconds(), "rows/s")
+	b.ReportMetric(float64(pusher.pages.Load())/b.Elapsed().Seconds(), "pages/s")
+}
+
+// sparseModel writes a one-layer model whose shard is a header and a hole:
+// the scheduler never looks at the bytes.
+func sparseModel(b *testing.B, rows int64) string {
+	dir := b.TempDir()
+	w := backing.TensorInfo{Name: "layers.0.engram.embed.weight", Dtype: "U8", Shape: []int64{rows, 4096}, End: rows * 4096}
+	s := backing.TensorInfo{Name: "layers.0.engram.embed.scale", Dtype: "U8", Shape: []int64{rows, 128}, Begin: w.End, End: w.End + rows*128}
+	hdr, err := backing.EncodeHeader([]backing.TensorInfo{w, s}, nil, 1)
+	if err != nil {
+		b.Fatal(err)
+	}
+	f, err := os.Create(filepath.Join(dir, "model.safetensors"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.Write(hdr); err != nil {
+		b.Fatal(err)
+	}
+	if err := f.Truncate(int64(len(hdr)) + s.End); err != nil {
+		b.Fatal(err)
+	}
+	return dir
+}
