@@ -298,7 +298,10 @@ func TestMutationsFailReadOnly(t *testing.T) {
 	}
 }
 
-func TestPythonLoaderOnTheMount(t *testing.T) {
+// requireNumpy returns Debian's python3 when it has numpy; without it the
+// test skips, or fails where ENGRAMFS_REQUIRE_FUSE=1 (CI installs it).
+func requireNumpy(t *testing.T) string {
+	t.Helper()
 	python := "/usr/bin/python3"
 	if err := exec.Command(python, "-c", "import numpy").Run(); err != nil {
 		if os.Getenv(RequireFUSEEnv) == "1" {
@@ -306,6 +309,11 @@ func TestPythonLoaderOnTheMount(t *testing.T) {
 		}
 		t.Skipf("%s with numpy is needed (Debian: python3-numpy): %v", python, err)
 	}
+	return python
+}
+
+func TestPythonLoaderOnTheMount(t *testing.T) {
+	python := requireNumpy(t)
 	for name, spec := range geometries() {
 		t.Run(name, func(t *testing.T) {
 			d := Mount(t, Synth(t, spec))

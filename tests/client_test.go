@@ -1,0 +1,112 @@
+package tests
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/engramfs/engramfs/hints/client"
+)
+
+// checkResidentAndServed asserts that rows of every table of layer are
+// resident in maps and that gathering them does not reach FUSE.
+func checkResidentAndServed(t *testing.T, d *Daemon, layer int, rows []uint64) {
+	t.Helper()
+	m := Model(t, d.ModelDir)
+	maps := layerMaps(t, d, m, layer)
+	for tb, b := range maps {
+		if res, total := rowsResident(t, tb, b, rows); res != total {
+			t.Fatalf("%s: %d of %d hinted pages resident", tb.Path(), res, total)
+		}
+	}
+	before := d.Stats(t)
+	gatherAndCheck(t, d, maps, rows)
+	if after := d.Stats(t); after.FuseReads != before.FuseReads {
+		t.Fatalf("gather of hinted rows caused %d FUSE reads", after.FuseReads-before.FuseReads)
+	}
+}
+
+func TestHintCommand(t *testing.T) {
+	spec := geometries()["4096B"]
+	d := Mount(t, Synth(t, spec))
+	// Keep the inodes known to the kernel, as a reader that maps the files
+	// does; a store into an inode the kernel has not looked up is skipped.
+	layerMaps(t, d, Model(t, d.ModelDir), 0)
+	rows := randomRows(rand.New(rand.NewPCG(12, 13)), 40, spec.Rows)
+	var args []string
+	for _, r := range rows[:20] {
+		args = append(args, fmt.Sprint(r))
+	}
+	out, err := exec.Command(Binary(t), append([]string{"hint", d.Mountpoint, "--decode", "0"}, args...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("engramfs hint: %v\n%s", err, out)
+	}
+	var stdin []string
+	for _, r := range rows[20:] {
+		stdin = append(stdin, fmt.Sprint(r))
+	}
+	cmd := exec.Command(Binary(t), "hint", d.Mountpoint, "0")
+	cmd.Stdin = strings.NewReader(strings.Join(stdin, "\n") + "\n")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("engramfs hint (rows on stdin): %v\n%s", err, out)
+	}
+	checkResidentAndServed(t, d, 0, rows)
+
+	out, err = exec.Command(Binary(t), "hint", d.Mountpoint, "0", fmt.Sprint(spec.Rows)).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "invalid argument") {
+		t.Fatalf("hint of a row out of range: %v\n%s; want an invalid argument error", err, out)
+	}
+}
+
+func TestGoClient(t *testing.T) {
+	spec := geometries()["flash"]
+	d := Mount(t, Synth(t, spec))
+	layerMaps(t, d, Model(t, d.ModelDir), 1)
+	rows := randomRows(rand.New(rand.NewPCG(14, 15)), 1000, spec.Rows)
+	h, err := client.Open(d.Mountpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	if err := h.Prefill(1, rows[:500]); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Decode(1, rows[500:]); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	checkResidentAndServed(t, d, 1, rows)
+}
+
+func TestPythonClientFromAnotherProcess(t *testing.T) {
+	python := requireNumpy(t)
+	spec := geometries()["4096B"]
+	d := Mount(t, Synth(t, spec))
+	layerMaps(t, d, Model(t, d.ModelDir), 1)
+	rows := randomRows(rand.New(rand.NewPCG(16, 17)), 300, spec.Rows)
+	var lit []string
+	for _, r := range rows {
+		lit = append(lit, fmt.Sprint(r))
+	}
+	script := fmt.Sprintf(`
+import sys
+sys.path.insert(0, "../hints/python")
+import numpy as np
+from engramfs_hints import Hinter
+rows = np.array([%s], dtype=np.int64)
+with Hinter(%q) as h:
+    h.prefill(1, rows[:150])
+    h.decode(1, rows[150:])
+    h.wait()
+print("OK")
+`, strings.Join(lit, ","), d.Mountpoint)
+	out, err := exec.Command(python, "-c", script).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "OK") {
+		t.Fatalf("python hinter: %v\n%s", err, out)
+	}
+	checkResidentAndServed(t, d, 1, rows)
+}
