@@ -66,6 +66,7 @@ func (e frameError) Unwrap() error { return ErrBadFrame }
 
 type state uint8
 
+// The text states come last: errorf tells text from binary by the order.
 const (
 	stStart   state = iota // between frames
 	stHeader               // binary: d.n bytes of the header are in d.buf

@@ -153,6 +153,7 @@ func TestDecodeErrors(t *testing.T) {
 		{"text row too long", "prefill 1 000000000000000000001\n", `hint frame: text: row "00000000000000000000"... longer than 20 bytes`},
 		{"text row out of range", "decode 0 1 1000\n", `hint frame: text: row 1000 out of range (layer 0 has 1000 rows)`},
 		{"text bad layer", "decode x 1\n", `hint frame: text: bad layer "x"`},
+		{"text layer too long", "decode 000000000000000000000 1\n", `hint frame: text: layer "00000000000000000000"... longer than 20 bytes`},
 		{"text unknown layer", "decode 7 1\n", `hint frame: text: layer 7: unknown layer`},
 		{"text layer over limit", "decode 70000\n", `hint frame: text: layer 70000 over the limit 65535`},
 		{"text missing layer", "decode\n", `hint frame: text: decode: missing layer`},
