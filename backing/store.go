@@ -51,6 +51,10 @@ type Store struct {
 	st    *stats.Counters
 	slots chan struct{} // a token per read in flight: blocking preads pin OS threads
 	files map[*Shard]*shardFile
+
+	// readHook, set only by tests, runs while a read holds its queue slot,
+	// so tests can see how many reads are in flight.
+	readHook func()
 }
 
 type shardFile struct {
@@ -148,6 +152,9 @@ func newShardFile(sh *Shard, f *os.File, direct bool, align, memAl int64) (*shar
 	return &shardFile{f: f, direct: direct, align: align, memAl: memAl, size: fi.Size(), mtime: fi.ModTime()}, nil
 }
 
+// pageSize is the page of the backing page cache.
+var pageSize = int64(os.Getpagesize())
+
 // alignedBuf returns n bytes whose address is a multiple of memAl.
 func alignedBuf(n int, memAl int64) []byte {
 	if memAl <= 1 {
@@ -161,7 +168,7 @@ func alignedBuf(n int, memAl int64) []byte {
 // ReadTable reads n bytes of t's data at off. Under O_DIRECT the returned
 // slice is a window of a larger aligned buffer: no copy is made.
 func (s *Store) ReadTable(t *Table, off int64, n int) ([]byte, error) {
-	if off < 0 || n < 0 || off+int64(n) > t.DataLen {
+	if off < 0 || n < 0 || off > t.DataLen || int64(n) > t.DataLen-off { // no off+n: it can overflow
 		return nil, fmt.Errorf("table %s: read [%d, +%d) outside its %d data bytes", t.Name, off, n, t.DataLen)
 	}
 	sf := s.files[t.Shard]
@@ -170,6 +177,9 @@ func (s *Store) ReadTable(t *Table, off int64, n int) ([]byte, error) {
 	}
 	abs := t.DataStart + off
 	s.slots <- struct{}{}
+	if s.readHook != nil {
+		s.readHook()
+	}
 	buf, err := sf.read(abs, n, s.st)
 	<-s.slots
 	if err != nil {
@@ -192,7 +202,12 @@ func (sf *shardFile) read(abs int64, n int, st *stats.Counters) ([]byte, error) 
 	got, err := preadFull(fd, buf, start)
 	if !sf.direct {
 		// The rows now live in engramfs's page cache; drop the shard's copy.
-		_ = unix.Fadvise(fd, start, int64(len(buf)), unix.FADV_DONTNEED)
+		// The kernel drops only pages wholly inside the range, and table
+		// data starts at any shard offset, so widen it to whole pages.
+		// (A length of 0 would mean "to the end of the file".)
+		if lo, hi := start/pageSize*pageSize, (end+pageSize-1)/pageSize*pageSize; hi > lo {
+			_ = unix.Fadvise(fd, lo, hi-lo, unix.FADV_DONTNEED)
+		}
 	}
 	if err != nil {
 		return nil, err

@@ -1,0 +1,475 @@
+package backing
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+var _ Reader = (*Store)(nil)
+
+// storeSynth has tables whose rows straddle pages and whose data starts at
+// unaligned shard offsets (Synthesize puts an unrelated tensor first).
+func storeSynth() SynthSpec {
+	s := DefaultSynth()
+	s.Rows, s.WeightRow, s.ScaleRow = 3000, 384, 12
+	return s
+}
+
+func loadSynth(t testing.TB, spec SynthSpec) *Model {
+	t.Helper()
+	m, err := Load(synthDir(t, spec), DefaultTablePattern)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// openStore opens m; a direct store is skipped (not failed) only where the
+// filesystem refuses O_DIRECT with EINVAL.
+func openStore(t testing.TB, m *Model, mode IOMode, queueDepth int) (*Store, *stats.Counters) {
+	t.Helper()
+	st := &stats.Counters{}
+	s, err := Open(m, mode, queueDepth, st)
+	if mode == IODirect && errors.Is(err, unix.EINVAL) {
+		t.Skipf("O_DIRECT refused here: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s, st
+}
+
+// shardBytes is the whole content of every shard of m, by shard.
+func shardBytes(t testing.TB, m *Model) map[*Shard][]byte {
+	t.Helper()
+	out := map[*Shard][]byte{}
+	for _, sh := range m.Shards {
+		b, err := os.ReadFile(sh.Path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[sh] = b
+	}
+	return out
+}
+
+// directWorks reports whether m's shards open with O_DIRECT here.
+func directWorks(t *testing.T, m *Model) bool {
+	s, err := Open(m, IODirect, 1, &stats.Counters{})
+	if err != nil {
+		return false
+	}
+	s.Close()
+	return true
+}
+
+type span struct{ off, n int64 }
+
+// readSpans are the reads each mode is checked with: the edges, the
+// loader's whole data pages, and random ranges.
+func readSpans(tb *Table, rng *rand.Rand) []span {
+	l := tb.DataLen
+	spans := []span{{0, 0}, {0, 1}, {0, l}, {l - 1, 1}, {l, 0}, {l / 2, 0}, {1, l - 2},
+		{0, min(l, PageSize)}, {PageSize - 1, 2}}
+	for p := int64(0); p*PageSize < l; p += 7 {
+		spans = append(spans, span{p * PageSize, min(PageSize, l-p*PageSize)})
+	}
+	for range 150 {
+		off := rng.Int64N(l + 1)
+		n := rng.Int64N(min(l-off, 3*PageSize) + 1)
+		spans = append(spans, span{off, n})
+	}
+	return spans
+}
+
+func TestReadTableBytes(t *testing.T) {
+	m := loadSynth(t, storeSynth())
+	shards := shardBytes(t, m)
+	canDirect := directWorks(t, m)
+	for _, mode := range []IOMode{IODirect, IOBuffered, IOAuto} {
+		t.Run(string(mode), func(t *testing.T) {
+			s, st := openStore(t, m, mode, 4)
+			for _, sh := range m.Shards {
+				if want := mode == IODirect || (mode == IOAuto && canDirect); s.Direct(sh) != want {
+					t.Fatalf("Direct(%s) = %v in mode %s", sh.Name, s.Direct(sh), mode)
+				}
+			}
+			rng := rand.New(rand.NewPCG(1, uint64(len(mode))))
+			for _, tb := range m.Tables {
+				key := NameKey(1, tb.Name)
+				for _, sp := range readSpans(tb, rng) {
+					before := st.Snapshot()
+					got, err := s.ReadTable(tb, sp.off, int(sp.n))
+					if err != nil {
+						t.Fatalf("%s [%d, +%d): %v", tb.Name, sp.off, sp.n, err)
+					}
+					want := shards[tb.Shard][tb.DataStart+sp.off : tb.DataStart+sp.off+sp.n]
+					if !bytes.Equal(got, want) {
+						t.Fatalf("%s [%d, +%d): bytes differ from the shard's", tb.Name, sp.off, sp.n)
+					}
+					synth := make([]byte, sp.n)
+					FillSynth(synth, key, sp.off)
+					if !bytes.Equal(got, synth) {
+						t.Fatalf("%s [%d, +%d): bytes are not the table's", tb.Name, sp.off, sp.n)
+					}
+					checkReadStats(t, s, tb, sp, before, st.Snapshot())
+				}
+			}
+		})
+	}
+}
+
+// checkReadStats: one backing read per ReadTable; its bytes are exactly the
+// range when buffered, the aligned superset under O_DIRECT.
+func checkReadStats(t *testing.T, s *Store, tb *Table, sp span, before, after stats.Snapshot) {
+	t.Helper()
+	reads, got := after.BackingReads-before.BackingReads, int64(after.BackingBytes-before.BackingBytes)
+	if reads != 1 || after.BackingErrors != before.BackingErrors {
+		t.Fatalf("%s [%d, +%d): %d backing reads, %d errors", tb.Name, sp.off, sp.n, reads, after.BackingErrors-before.BackingErrors)
+	}
+	if !s.Direct(tb.Shard) {
+		if got != sp.n {
+			t.Fatalf("%s [%d, +%d): buffered read counted %d bytes", tb.Name, sp.off, sp.n, got)
+		}
+		return
+	}
+	align := s.files[tb.Shard].align
+	if got < sp.n || got > sp.n+2*align || got%align != 0 {
+		t.Fatalf("%s [%d, +%d): direct read counted %d bytes, want a multiple of %d in [n, n+2*%d]", tb.Name, sp.off, sp.n, got, align, align)
+	}
+}
+
+func TestReadTableConcurrent(t *testing.T) {
+	m := loadSynth(t, storeSynth())
+	shards := shardBytes(t, m)
+	for _, mode := range []IOMode{IODirect, IOBuffered} {
+		t.Run(string(mode), func(t *testing.T) {
+			s, st := openStore(t, m, mode, 3)
+			var wg sync.WaitGroup
+			const workers, each = 8, 100
+			errs := make(chan error, workers)
+			for w := range workers {
+				wg.Go(func() {
+					rng := rand.New(rand.NewPCG(uint64(w), 9))
+					for range each {
+						tb := m.Tables[rng.IntN(len(m.Tables))]
+						off := rng.Int64N(tb.DataLen)
+						n := rng.Int64N(min(tb.DataLen-off, 2*PageSize)) + 1
+						got, err := s.ReadTable(tb, off, int(n))
+						if err != nil {
+							errs <- err
+							return
+						}
+						if !bytes.Equal(got, shards[tb.Shard][tb.DataStart+off:tb.DataStart+off+n]) {
+							errs <- fmt.Errorf("%s [%d, +%d): wrong bytes", tb.Name, off, n)
+							return
+						}
+					}
+				})
+			}
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				t.Fatal(err)
+			}
+			if r := st.BackingReads.Load(); r != workers*each {
+				t.Fatalf("%d backing reads, want %d", r, workers*each)
+			}
+		})
+	}
+}
+
+// The queue depth bounds the reads in flight: with every read held inside
+// its slot, exactly queueDepth are in, the rest wait.
+func TestReadTableQueueDepth(t *testing.T) {
+	m := loadSynth(t, storeSynth())
+	const queueDepth, readers = 3, 16
+	s, st := openStore(t, m, IOBuffered, queueDepth)
+	var in, most atomic.Int32
+	release := make(chan struct{})
+	s.readHook = func() {
+		n := in.Add(1)
+		for {
+			cur := most.Load()
+			if n <= cur || most.CompareAndSwap(cur, n) {
+				break
+			}
+		}
+		<-release
+		in.Add(-1)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, readers)
+	for i := range readers {
+		wg.Go(func() {
+			tb := m.Tables[i%len(m.Tables)]
+			if _, err := s.ReadTable(tb, int64(i)*64, 64); err != nil {
+				errs <- err
+			}
+		})
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for in.Load() < queueDepth {
+		if time.Now().After(deadline) {
+			t.Fatalf("only %d reads got in, queue depth %d", in.Load(), queueDepth)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond) // room for a wrong extra read to get in
+	if n := in.Load(); n != queueDepth {
+		t.Fatalf("%d reads in flight, queue depth %d", n, queueDepth)
+	}
+	if r := st.BackingReads.Load(); r != 0 {
+		t.Fatalf("%d preads before any slot was released", r)
+	}
+	close(release)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if most.Load() != queueDepth || st.BackingReads.Load() != readers {
+		t.Fatalf("at most %d in flight, %d reads; want %d and %d", most.Load(), st.BackingReads.Load(), queueDepth, readers)
+	}
+}
+
+// A shard that changes under the mount yields errors, never bytes.
+func TestReadTableShardChanged(t *testing.T) {
+	cases := []struct {
+		name   string
+		change func(t *testing.T, tb *Table)
+		off, n func(tb *Table) int64
+	}{
+		{"truncated-inside-read", func(t *testing.T, tb *Table) {
+			truncate(t, tb.Shard.Path, tb.DataStart+tb.DataLen/2)
+		}, func(tb *Table) int64 { return tb.DataLen/2 - 100 }, func(*Table) int64 { return 4096 }},
+		{"truncated-after-read", func(t *testing.T, tb *Table) {
+			truncate(t, tb.Shard.Path, tb.DataStart+tb.DataLen/2)
+		}, func(*Table) int64 { return 0 }, func(*Table) int64 { return 4096 }},
+		{"truncated-to-zero", func(t *testing.T, tb *Table) { truncate(t, tb.Shard.Path, 0) },
+			func(*Table) int64 { return 0 }, func(*Table) int64 { return 10 }},
+		{"truncated-by-one", func(t *testing.T, tb *Table) { truncate(t, tb.Shard.Path, tb.Shard.Size-1) },
+			func(tb *Table) int64 { return tb.DataLen - 4096 }, func(*Table) int64 { return 4096 }},
+		{"grown", func(t *testing.T, tb *Table) { truncate(t, tb.Shard.Path, tb.Shard.Size+1) },
+			func(*Table) int64 { return 0 }, func(*Table) int64 { return 4096 }},
+		{"rewritten-same-size", func(t *testing.T, tb *Table) {
+			f, err := os.OpenFile(tb.Shard.Path, os.O_WRONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			f.WriteAt(bytes.Repeat([]byte{0xEE}, 8192), tb.DataStart)
+			f.Close()
+			future := time.Now().Add(time.Hour)
+			if err := os.Chtimes(tb.Shard.Path, future, future); err != nil {
+				t.Fatal(err)
+			}
+		}, func(*Table) int64 { return 0 }, func(*Table) int64 { return 4096 }},
+		{"touched", func(t *testing.T, tb *Table) {
+			past := time.Unix(1_000_000_000, 0)
+			if err := os.Chtimes(tb.Shard.Path, past, past); err != nil {
+				t.Fatal(err)
+			}
+		}, func(*Table) int64 { return 100 }, func(*Table) int64 { return 1 }},
+	}
+	for _, c := range cases {
+		for _, mode := range []IOMode{IODirect, IOBuffered} {
+			t.Run(fmt.Sprintf("%s/%s", c.name, mode), func(t *testing.T) {
+				m := loadSynth(t, storeSynth())
+				tb := m.Tables[1] // layer 0 weight: the unrelated tensor precedes it, then scale follows
+				s, st := openStore(t, m, mode, 2)
+				if _, err := s.ReadTable(tb, 0, 4096); err != nil {
+					t.Fatalf("before the change: %v", err)
+				}
+				c.change(t, tb)
+				for try := range 2 { // and again: nothing is remembered
+					buf, err := s.ReadTable(tb, c.off(tb), int(c.n(tb)))
+					if !errors.Is(err, ErrShardChanged) {
+						t.Fatalf("try %d: got %d bytes, error %v; want ErrShardChanged", try, len(buf), err)
+					}
+					if buf != nil {
+						t.Fatalf("try %d: error came with %d bytes", try, len(buf))
+					}
+					for _, want := range []string{tb.Name, tb.Shard.Path} {
+						if !strings.Contains(err.Error(), want) {
+							t.Errorf("error %q does not name %s", err, want)
+						}
+					}
+					if e := st.BackingErrors.Load(); e != uint64(try+1) {
+						t.Fatalf("BackingErrors = %d after %d failed reads", e, try+1)
+					}
+				}
+			})
+		}
+	}
+}
+
+func TestReadTableOutOfRange(t *testing.T) {
+	m := loadSynth(t, storeSynth())
+	s, st := openStore(t, m, IOBuffered, 1)
+	tb := m.Tables[0]
+	l := tb.DataLen
+	for _, sp := range []span{{-1, 1}, {0, -1}, {l, 1}, {l - 1, 2}, {l + 1, 0}, {0, l + 1},
+		{math.MaxInt64, 10}, {math.MaxInt64 - 5, 10}, {10, math.MaxInt}, {math.MinInt64, 1}} {
+		buf, err := s.ReadTable(tb, sp.off, int(sp.n))
+		if err == nil || buf != nil {
+			t.Fatalf("[%d, +%d) of a %d-byte table: got %d bytes, %v", sp.off, sp.n, l, len(buf), err)
+		}
+		if !strings.Contains(err.Error(), "outside its") || !strings.Contains(err.Error(), tb.Name) {
+			t.Fatalf("[%d, +%d): error %q does not say the range is outside the table", sp.off, sp.n, err)
+		}
+	}
+	if snap := st.Snapshot(); snap.BackingReads != 0 || snap.BackingErrors != 0 {
+		t.Fatalf("refused requests reached the shard: %+v", snap)
+	}
+}
+
+func TestOpenRefuses(t *testing.T) {
+	t.Run("queue-depth", func(t *testing.T) {
+		m := loadSynth(t, smallSynth())
+		if s, err := Open(m, IOBuffered, 0, &stats.Counters{}); err == nil || !strings.Contains(err.Error(), "queue depth 0") {
+			t.Fatalf("got %v, %v", s, err)
+		}
+	})
+	for _, mode := range []IOMode{IODirect, IOBuffered, IOAuto} {
+		t.Run("changed-since-load/"+string(mode), func(t *testing.T) {
+			m := loadSynth(t, smallSynth())
+			sh := m.Shards[1]
+			truncate(t, sh.Path, sh.Size-1)
+			s, err := Open(m, mode, 1, &stats.Counters{})
+			if mode == IODirect && errors.Is(err, unix.EINVAL) {
+				t.Skip(err)
+			}
+			if !errors.Is(err, ErrShardChanged) || !strings.Contains(err.Error(), sh.Path) {
+				t.Fatalf("got %v, %v; want ErrShardChanged naming %s", s, err, sh.Path)
+			}
+		})
+		t.Run("gone-since-load/"+string(mode), func(t *testing.T) {
+			m := loadSynth(t, smallSynth())
+			sh := m.Shards[0]
+			os.Remove(sh.Path)
+			s, err := Open(m, mode, 1, &stats.Counters{})
+			if !errors.Is(err, os.ErrNotExist) || !strings.Contains(err.Error(), sh.Path) {
+				t.Fatalf("got %v, %v; want not-exist naming %s", s, err, sh.Path)
+			}
+		})
+	}
+}
+
+func TestParseIOMode(t *testing.T) {
+	for _, s := range []string{"auto", "direct", "buffered"} {
+		if m, err := ParseIOMode(s); err != nil || string(m) != s {
+			t.Errorf("ParseIOMode(%q) = %q, %v", s, m, err)
+		}
+	}
+	for _, s := range []string{"", "Direct", "mmap", "o_direct"} {
+		if _, err := ParseIOMode(s); err == nil || !strings.Contains(err.Error(), "want auto, direct or buffered") {
+			t.Errorf("ParseIOMode(%q): %v", s, err)
+		}
+	}
+}
+
+func TestStoreClose(t *testing.T) {
+	m := loadSynth(t, smallSynth())
+	s, err := Open(m, IOAuto, 2, &stats.Counters{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	buf, err := s.ReadTable(m.Tables[0], 0, 8)
+	if err == nil || buf != nil || !strings.Contains(err.Error(), "not open") {
+		t.Fatalf("read after Close: %d bytes, %v", len(buf), err)
+	}
+}
+
+// Reads leave nothing of the shard in the backing page cache: a row is
+// cached once, by the mount, not twice. Table data starts at unaligned shard
+// offsets, so a 4 KiB data page spans two shard pages, neither wholly read.
+func TestReadTableLeavesNoShardPages(t *testing.T) {
+	for _, mode := range []IOMode{IODirect, IOBuffered} {
+		t.Run(string(mode), func(t *testing.T) {
+			m := loadSynth(t, storeSynth())
+			s, _ := openStore(t, m, mode, 2)
+			for _, tb := range m.Tables {
+				if tb.DataStart%PageSize == 0 {
+					t.Fatalf("%s starts at an aligned offset: the test proves nothing", tb.Name)
+				}
+			}
+			res := mapShards(t, m)
+			for _, tb := range m.Tables {
+				for _, sp := range []span{{3 * PageSize, PageSize}, {5 * PageSize, 3 * PageSize}, {100, 12}, {tb.DataLen - 12, 12}} {
+					if _, err := s.ReadTable(tb, sp.off, int(sp.n)); err != nil {
+						t.Fatal(err)
+					}
+					if n := res.resident(t, tb.Shard); n != 0 {
+						t.Fatalf("%s: after reading [%d, +%d), %d pages of shard %s are in the page cache", tb.Name, sp.off, sp.n, n, tb.Shard.Name)
+					}
+				}
+			}
+		})
+	}
+}
+
+// shardMaps are read-only mappings of the shards of m, whose page cache
+// residency mincore reports; each shard starts with none resident.
+type shardMaps map[*Shard][]byte
+
+func mapShards(t *testing.T, m *Model) shardMaps {
+	t.Helper()
+	maps := shardMaps{}
+	for _, sh := range m.Shards {
+		f, err := os.Open(sh.Path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Synthesize leaves dirty pages, which FADV_DONTNEED keeps.
+		if err := f.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
+			t.Fatal(err)
+		}
+		b, err := unix.Mmap(int(f.Fd()), 0, int(sh.Size), unix.PROT_READ, unix.MAP_SHARED)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { unix.Munmap(b) })
+		maps[sh] = b
+		if n := maps.resident(t, sh); n != 0 {
+			t.Skipf("%d pages of %s stay in the page cache after FADV_DONTNEED", n, sh.Path)
+		}
+	}
+	return maps
+}
+
+func (maps shardMaps) resident(t *testing.T, sh *Shard) int {
+	t.Helper()
+	b := maps[sh]
+	vec := make([]byte, (len(b)+os.Getpagesize()-1)/os.Getpagesize())
+	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0])))
+	if errno != 0 {
+		t.Fatalf("mincore: %v", errno)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return n
+}
