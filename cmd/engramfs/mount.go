@@ -21,6 +21,7 @@ type mountFlags struct {
 	queueDepth   int
 	backingIO    string
 	prefillQueue int
+	injectFaults string
 	allowOther   bool
 	debugFUSE    bool
 	logFlags
@@ -41,6 +42,8 @@ func (f *mountFlags) register(fl interface {
 	fl.BoolVar(&f.allowOther, "allow-other", false,
 		"let users other than the daemon's read the mount (the control file stays owner-only)")
 	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
+	fl.StringVar(&f.injectFaults, "inject-faults", "",
+		"TESTING ONLY: inject backing faults, e.g. eio=0.01,short=0.01,latency=2ms,seed=7 (see README)")
 }
 
 func init() {
@@ -119,7 +122,17 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 	if err != nil {
 		return nil, err
 	}
-	loader := cache.NewLoader(store, model.Tables, st)
+	var src backing.Reader = store
+	if mf.injectFaults != "" {
+		spec, err := backing.ParseFaultSpec(mf.injectFaults)
+		if err != nil {
+			store.Close()
+			return nil, usageError{err}
+		}
+		src = backing.NewFaultReader(store, spec, st)
+		log.Warn("injecting backing faults (testing only)", zap.String("faults", spec.String()))
+	}
+	loader := cache.NewLoader(src, model.Tables, st)
 	// The prefetcher needs the mount to push into, and the mount needs the
 	// prefetcher to take hints: the pusher is bound once the mount is live.
 	pusher := &latePusher{}

@@ -1,0 +1,106 @@
+package tests
+
+import (
+	"bufio"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/engramfs/engramfs/hints"
+)
+
+// VmRSS of pid in bytes.
+func rssBytes(t testing.TB, pid int) int64 {
+	t.Helper()
+	return procStatusKB(t, pid, "VmRSS") * 1024
+}
+
+// procStatusKB reads one "Key: N kB" line of /proc/PID/status.
+func procStatusKB(t testing.TB, pid int, key string) int64 {
+	t.Helper()
+	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		k, v, ok := strings.Cut(sc.Text(), ":")
+		if ok && k == key {
+			n, err := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("/proc/%d/status has no %s", pid, key)
+	return 0
+}
+
+func TestPrefillFloodDropsOldestAndDecodeGoesFirst(t *testing.T) {
+	spec := geometries()["flash"]
+	spec.Rows = 200000 // 12,500 weight pages, 400 scale pages per layer
+	// Slow backing and a small queue: the flood cannot be served in time,
+	// so the queue must drop, and decode must overtake it.
+	d := Mount(t, Synth(t, spec), "--inject-faults", "latency=4ms", "--queue-depth", "4", "--prefetch-queue", "8192")
+	maps := layerMaps(t, d, Model(t, d.ModelDir), 0)
+	pid := d.Cmd.Process.Pid
+	rss0 := rssBytes(t, pid)
+
+	flood := openControl(t, d)
+	rng := rand.New(rand.NewPCG(20, 21))
+	const frames, perFrame = 40, 40000
+	for range frames {
+		if _, err := flood.Write(hints.AppendBinary(nil, hints.Prefill, 0, randomRows(rng, perFrame, spec.Rows))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mid := d.Stats(t)
+	if mid.PrefetchPagesDropped == 0 {
+		t.Fatalf("a flood of %d prefill rows into an 8192-page queue dropped nothing: %+v", frames*perFrame, mid)
+	}
+
+	// A decode step during the flood: it must not wait for the flood.
+	ctl := openControl(t, d)
+	rows := randomRows(rng, 72, spec.Rows)
+	start := time.Now()
+	if _, err := ctl.Write(hints.AppendBinary(nil, hints.Decode, 0, rows)); err != nil {
+		t.Fatal(err)
+	}
+	if err := ctl.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(start)
+	after := d.Stats(t)
+	// Served first, the decode step waits for its own pages and the prefill
+	// runs already in flight (4 workers, runs of up to 256 pages, twice over
+	// for the moments around the snapshot); behind the flood it would wait
+	// for the whole queue (8192 pages) to be stored first.
+	decodePages := 0
+	for tb := range maps {
+		_, n := rowsResident(t, tb, maps[tb], rows)
+		decodePages += n
+	}
+	stored := after.PrefetchPagesStored - mid.PrefetchPagesStored
+	if stored > uint64(decodePages)+2*4*256 {
+		t.Fatalf("%d pages were stored before the decode barrier returned, for a decode step of %d pages: decode did not overtake the queued prefill work", stored, decodePages)
+	}
+	for tb, b := range maps {
+		if res, total := rowsResident(t, tb, b, rows); res != total {
+			t.Fatalf("%s: %d of %d decode pages resident after the barrier", tb.Path(), res, total)
+		}
+	}
+	t.Logf("decode barrier took %v; %d pages stored meanwhile for a %d-page step; %d prefill pages dropped", took, stored, decodePages, after.PrefetchPagesDropped)
+
+	// Memory stays bounded: the flood named millions of pages, the daemon
+	// holds only the queue's worth.
+	rss := rssBytes(t, pid)
+	t.Logf("daemon RSS %d MiB before the flood, %d MiB after", rss0>>20, rss>>20)
+	if limit := rss0 + 256<<20; rss > limit {
+		t.Fatalf("daemon RSS grew from %d MiB to %d MiB during the flood", rss0>>20, rss>>20)
+	}
+}
