@@ -1,0 +1,416 @@
+package cache
+
+import (
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// sparseFile is a table file of pages pages, all holes: pinning a page reads
+// a zero page into the page cache without any disk I/O.
+func sparseFile(t *testing.T, pages int64) TableFile {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "sparse.safetensors")
+	if err := os.WriteFile(path, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(path, pages*PageSize); err != nil {
+		t.Fatal(err)
+	}
+	return TableFile{Path: path, Size: pages * PageSize}
+}
+
+func newHot(t *testing.T, capPages int64, log *zap.Logger, files ...TableFile) (*HotCache, *Pinner, *stats.Counters) {
+	t.Helper()
+	p := NewPinner(files, log)
+	if !p.Available() {
+		t.Skip("mlock unavailable here (tests need CAP_IPC_LOCK: run as root)")
+	}
+	st := &stats.Counters{}
+	h := NewHotCache(capPages*PageSize, p, st, log)
+	t.Cleanup(func() { _ = h.Close() })
+	return h, p, st
+}
+
+// watchLocked polls VmLck on its own goroutine until the returned function
+// is called, failing the test if it ever exceeds base+limit bytes.
+func watchLocked(t *testing.T, base, limit int64) (stop func() (checks int)) {
+	t.Helper()
+	done := make(chan struct{})
+	result := make(chan int)
+	go func() {
+		n := 0
+		for {
+			select {
+			case <-done:
+				result <- n
+				return
+			default:
+			}
+			if l, ok := lockedBytes(); ok && int64(l)-base > limit {
+				t.Errorf("VmLck %d bytes over a budget of %d", int64(l)-base, limit)
+				result <- n
+				<-done
+				return
+			}
+			n++
+		}
+	}()
+	return func() int { close(done); return <-result }
+}
+
+// checkConsistent: after Flush, the pages locked are exactly the tier's, and
+// VmLck, CacheUsedBytes and Pinned agree.
+func checkConsistent(t *testing.T, h *HotCache, st *stats.Counters, base int64) {
+	t.Helper()
+	h.Flush()
+	keys := h.Keys()
+	for _, k := range keys {
+		if !h.Pinned(k) {
+			t.Fatalf("%v in the tier, not pinned", k)
+		}
+	}
+	h.pinnedMu.RLock()
+	n := len(h.pinned)
+	h.pinnedMu.RUnlock()
+	if n != len(keys) {
+		t.Fatalf("%d pages pinned, %d in the tier", n, len(keys))
+	}
+	if used := st.CacheUsedBytes.Load(); used != int64(n)*PageSize {
+		t.Fatalf("CacheUsedBytes %d, want %d", used, n*PageSize)
+	}
+	wantLocked(t, base, n, "pinned pages")
+	if n > h.tier.Capacity() {
+		t.Fatalf("%d pages pinned, capacity %d", n, h.tier.Capacity())
+	}
+}
+
+func TestHotCacheAdmitPinsAndCounts(t *testing.T) {
+	f := sparseFile(t, 64)
+	base := vmLck(t)
+	h, p, st := newHot(t, 10, zap.NewNop(), f)
+	if st.CacheCapacityBytes.Load() != 10*PageSize || !st.CachePinned.Load() {
+		t.Fatalf("stats at start: %+v", st.Snapshot())
+	}
+	var ks []PageKey
+	for pg := range uint64(15) {
+		ks = append(ks, pk(pg))
+	}
+	h.Admit(ks, SignalDecode)
+	checkConsistent(t, h, st, base)
+	s := st.Snapshot()
+	// One call admitted and evicted pages 0-4 again: never pinned, not
+	// evictions.
+	if s.CacheMisses != 15 || s.CacheHits != 0 || s.CacheEvictions != 0 || s.CacheUsedBytes != 10*PageSize {
+		t.Fatalf("after 15 new pages in 10: %+v", s)
+	}
+	for pg := range uint64(15) {
+		if want := pg >= 5; h.Pinned(pk(pg)) != want || p.Resident(pk(pg)) != want {
+			t.Fatalf("page %d: pinned %v resident %v, want %v", pg, h.Pinned(pk(pg)), p.Resident(pk(pg)), want)
+		}
+	}
+	h.Admit(ks[10:], SignalFault)
+	if s := st.Snapshot(); s.CacheHits != 5 {
+		t.Fatalf("5 pinned pages faulted again: %d hits", s.CacheHits)
+	}
+	for _, k := range ks[:3] { // one call each: each evicts a pinned page
+		h.Admit([]PageKey{k}, SignalDecode)
+	}
+	checkConsistent(t, h, st, base)
+	if s := st.Snapshot(); s.CacheEvictions != 3 || s.CacheMisses != 18 {
+		t.Fatalf("3 more new pages: %+v", s)
+	}
+}
+
+// TestHotCacheBudget replays decode steps, prefill chunks and faults while a
+// watcher reads VmLck continuously: the locked memory never exceeds the
+// capacity, not even between the worker's system calls.
+func TestHotCacheBudget(t *testing.T) {
+	const rows, capPages = 20_000, 500
+	f := sparseFile(t, rows)
+	base := vmLck(t)
+	h, _, st := newHot(t, capPages, zap.NewNop(), f)
+	stop := watchLocked(t, base, capPages*PageSize)
+	z := newZipfRows(rows, 0.9)
+	rng := rand.New(rand.NewPCG(1, 1))
+	var step []PageKey
+	for i := range 1500 {
+		if i%50 == 0 {
+			h.Admit(scanPages(rng, rows, 2000), SignalPrefill)
+		}
+		step = z.decodeStep(rng, 72, step[:0])
+		h.Admit(step, SignalDecode)
+		h.Admit(step[:4], SignalFault)
+		if i%300 == 0 {
+			checkConsistent(t, h, st, base)
+		}
+	}
+	checkConsistent(t, h, st, base)
+	t.Logf("VmLck checked %d times; %+v; dropped %d", stop(), st.Snapshot(), h.dropped.Load())
+}
+
+// TestHotCacheScanResistance: decode-hot pages stay locked in the page cache
+// through a one-pass scan of 10x the capacity, and survive a cache drop.
+func TestHotCacheScanResistance(t *testing.T) {
+	const rows, capPages = 100_000, 2000
+	for _, tc := range []struct {
+		name  string
+		sig   Signal
+		batch int
+	}{{"prefill", SignalPrefill, 2000}, {"fault", SignalFault, 1}} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := sparseFile(t, rows)
+			base := vmLck(t)
+			h, p, st := newHot(t, capPages, zap.NewNop(), f)
+			z := newZipfRows(rows, 0.9)
+			rng := rand.New(rand.NewPCG(2, 2))
+			var step []PageKey
+			var hot []PageKey
+			for i := 0; len(hot) < capPages*85/100; i++ { // protected is 90% at most
+				if i == 5000 {
+					t.Fatalf("warm-up protected only %d pages", len(hot))
+				}
+				step = z.decodeStep(rng, 72, step[:0])
+				h.Admit(step, SignalDecode)
+				if i%100 == 0 {
+					hot = hot[:0]
+					for s := range h.tier.shards {
+						sh := &h.tier.shards[s]
+						sh.mu.Lock()
+						hot = append(hot, sh.protected.Keys()...)
+						sh.mu.Unlock()
+					}
+				}
+			}
+			checkConsistent(t, h, st, base)
+			stop := watchLocked(t, base, capPages*PageSize)
+			scan := scanPages(rng, rows, 10*capPages)
+			for i := 0; i < len(scan); i += tc.batch {
+				h.Admit(scan[i:i+tc.batch], tc.sig)
+			}
+			checkConsistent(t, h, st, base)
+			stop()
+			dropCache(t, f.Path)
+			kept := 0
+			for _, k := range hot {
+				if h.Pinned(k) && p.Resident(k) {
+					kept++
+				}
+			}
+			t.Logf("%s scan of %d pages: %d of %d decode-hot pages still locked and resident", tc.name, len(scan), kept, len(hot))
+			if kept*10 < len(hot)*9 {
+				t.Fatalf("kept %d of %d decode-hot pages, want >= 90%%", kept, len(hot))
+			}
+		})
+	}
+}
+
+func TestHotCacheCloseUnlocksAll(t *testing.T) {
+	f0, f1 := sparseFile(t, 256), sparseFile(t, 256)
+	base := vmLck(t)
+	h, _, st := newHot(t, 100, zap.NewNop(), f0, f1)
+	var ks []PageKey
+	for pg := range uint64(60) {
+		ks = append(ks, PageKey{Table: uint32(pg % 2), Page: pg * 3})
+	}
+	h.Admit(ks, SignalDecode)
+	checkConsistent(t, h, st, base)
+	if vmLck(t) == base {
+		t.Fatal("nothing locked before Close")
+	}
+	h.Admit(ks, SignalDecode) // queued, maybe not applied: Close must still leave nothing
+	if err := h.Close(); err != nil {
+		t.Fatal(err)
+	}
+	wantLocked(t, base, 0, "after Close")
+	if mapsMention(t, f0.Path) || mapsMention(t, f1.Path) {
+		t.Fatal("a table file is still mapped after Close")
+	}
+	if st.CacheUsedBytes.Load() != 0 || h.Pinned(ks[0]) {
+		t.Fatal("pages still reported pinned after Close")
+	}
+	h.Admit(ks, SignalDecode)
+	h.Flush()
+	if err := h.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	wantLocked(t, base, 0, "Admit after Close")
+}
+
+func TestHotCacheConcurrentAdmit(t *testing.T) {
+	const rows, capPages = 50_000, 1024
+	files := []TableFile{sparseFile(t, rows), sparseFile(t, rows)}
+	base := vmLck(t)
+	h, _, st := newHot(t, capPages, zap.NewNop(), files...)
+	stop := watchLocked(t, base, capPages*PageSize)
+	z := newZipfRows(rows, 0.9)
+	var wg sync.WaitGroup
+	var pinnedSeen atomic.Int64
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(g), 3))
+			var step []PageKey
+			for i := range 300 {
+				step = z.decodeStep(rng, 72, step[:0])
+				for j := range step {
+					step[j].Table = uint32(j % 2)
+				}
+				switch i % 10 {
+				case 0:
+					h.Admit(scanPages(rng, rows, 500), SignalPrefill)
+				case 1:
+					h.Flush()
+				}
+				h.Admit(step, Signal(i%2)) // decode, fault
+				for _, k := range step[:8] {
+					if h.Pinned(k) {
+						pinnedSeen.Add(1)
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	checkConsistent(t, h, st, base)
+	t.Logf("VmLck checked %d times; Pinned true %d times; %+v; dropped %d", stop(), pinnedSeen.Load(), st.Snapshot(), h.dropped.Load())
+	if err := h.Close(); err != nil {
+		t.Fatal(err)
+	}
+	wantLocked(t, base, 0, "after Close")
+}
+
+// TestHotCacheQueueFullDrops stalls the worker inside an mlock and fills the
+// queue: the pins that do not fit are dropped and their pages leave the tier
+// again, so after the worker resumes the tier and the locked pages agree.
+func TestHotCacheQueueFullDrops(t *testing.T) {
+	f := sparseFile(t, 256)
+	base := vmLck(t)
+	h, p, st := newHot(t, 100, zap.NewNop(), f)
+	h.maxQueued = 8
+	entered, release := make(chan struct{}, 1), make(chan struct{})
+	p.mlock = func(b []byte) error {
+		select {
+		case entered <- struct{}{}:
+			<-release
+		default:
+		}
+		return unix.Mlock(b)
+	}
+	h.Admit([]PageKey{pk(0)}, SignalDecode)
+	<-entered // the worker is stuck pinning page 0
+	for pg := uint64(10); pg < 40; pg += 2 {
+		h.Admit([]PageKey{pk(pg)}, SignalDecode)
+	}
+	if d := h.dropped.Load(); d != 15-8 {
+		t.Fatalf("%d pins dropped, want 7", d)
+	}
+	if n := h.tier.Len(); n != 1+8 {
+		t.Fatalf("%d pages in the tier, want 9 (1 being pinned, 8 queued)", n)
+	}
+	close(release)
+	checkConsistent(t, h, st, base)
+	if !h.Pinned(pk(0)) || !h.Pinned(pk(24)) || h.Pinned(pk(26)) {
+		t.Fatal("want pages 0 and 10..24 pinned, 26.. dropped")
+	}
+}
+
+// TestHotCachePinFailureRemoves: pages that cannot be pinned leave the tier,
+// the others of the same run are pinned, and the failures are logged once.
+func TestHotCachePinFailureRemoves(t *testing.T) {
+	f := sparseFile(t, 2)
+	f.Size = 8 * PageSize // pages 2..7 are past the real end
+	core, logs := observer.New(zapcore.WarnLevel)
+	base := vmLck(t)
+	h, _, st := newHot(t, 100, zap.New(core), f)
+	var ks []PageKey
+	for pg := range uint64(8) {
+		ks = append(ks, pk(pg))
+	}
+	h.Admit(ks, SignalDecode)
+	checkConsistent(t, h, st, base)
+	if got := h.Keys(); len(got) != 2 || !h.Pinned(pk(0)) || !h.Pinned(pk(1)) {
+		t.Fatalf("tier after failed pins: %v", got)
+	}
+	if !st.CachePinned.Load() {
+		t.Fatal("a failed page turned pinning off")
+	}
+	if n := logs.FilterMessage("pin failed; page removed from the hot tier").Len(); n != 1 {
+		t.Fatalf("%d failure logs for 6 failures within a second, want 1", n)
+	}
+}
+
+func TestHotCacheUnpinned(t *testing.T) {
+	t.Run("refused", func(t *testing.T) {
+		f := sparseFile(t, 64)
+		base := vmLck(t)
+		h, p, st := newHot(t, 10, zap.NewNop(), f)
+		p.mlock = func([]byte) error { return unix.EPERM }
+		h.Admit([]PageKey{pk(1), pk(2)}, SignalDecode)
+		h.Flush()
+		if st.CachePinned.Load() || h.Pinned(pk(1)) {
+			t.Fatal("pinned after mlock was refused")
+		}
+		h.Admit([]PageKey{pk(1), pk(3)}, SignalDecode) // the policy still runs
+		h.Flush()
+		if s := st.Snapshot(); s.CacheHits != 1 || s.CacheMisses != 3 || s.CacheUsedBytes != 0 {
+			t.Fatalf("unpinned tier: %+v", s)
+		}
+		wantLocked(t, base, 0, "refused pins")
+	})
+	t.Run("no pinner", func(t *testing.T) {
+		st := &stats.Counters{}
+		h := NewHotCache(10*PageSize, nil, st, nil)
+		h.Admit([]PageKey{pk(1), pk(1)}, SignalDecode)
+		h.Flush()
+		if st.CachePinned.Load() || h.Pinned(pk(1)) || st.CacheHits.Load() != 1 || st.CacheMisses.Load() != 1 {
+			t.Fatalf("no pinner: %+v", st.Snapshot())
+		}
+		if err := h.Close(); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("disabled", func(t *testing.T) {
+		st := &stats.Counters{}
+		h := NewHotCache(0, NewPinner(nil, nil), st, nil)
+		h.Admit([]PageKey{pk(1)}, SignalDecode)
+		h.Flush()
+		if s := st.Snapshot(); s.CachePinned || s.CacheCapacityBytes != 0 || s.CacheMisses != 0 || h.Keys() != nil {
+			t.Fatalf("disabled cache: %+v", s)
+		}
+		if err := h.Close(); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+func TestForRuns(t *testing.T) {
+	ks := []PageKey{{0, 1}, {0, 2}, {0, 3}, {0, 5}, {1, 6}, {1, 7}, {2, 0}}
+	var got [][]PageKey
+	forRuns(ks, func(r []PageKey) bool { got = append(got, r); return true })
+	want := [][]PageKey{{{0, 1}, {0, 2}, {0, 3}}, {{0, 5}}, {{1, 6}, {1, 7}}, {{2, 0}}}
+	if !slices.EqualFunc(got, want, slices.Equal) {
+		t.Fatalf("runs %v, want %v", got, want)
+	}
+	long := make([]PageKey, maxPinRun+3)
+	for i := range long {
+		long[i] = pk(uint64(i))
+	}
+	got = nil
+	forRuns(long, func(r []PageKey) bool { got = append(got, r); return true })
+	if len(got) != 2 || len(got[0]) != maxPinRun {
+		t.Fatalf("a run of %d split into %d runs", len(long), len(got))
+	}
+}
