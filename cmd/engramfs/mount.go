@@ -3,9 +3,13 @@ package main
 import (
 	"os"
 	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 
+	units "github.com/docker/go-units"
 	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/backing"
@@ -21,6 +25,7 @@ type mountFlags struct {
 	queueDepth   int
 	backingIO    string
 	prefillQueue int
+	cacheSize    string
 	injectFaults string
 	allowOther   bool
 	debugFUSE    bool
@@ -37,6 +42,8 @@ func (f *mountFlags) register(fl interface {
 	fl.IntVar(&f.queueDepth, "queue-depth", 64, "backing reads in flight at most, across all shards")
 	fl.StringVar(&f.backingIO, "backing-io", "auto",
 		"how shards are read: direct (O_DIRECT, no backing page cache), buffered (FADV_RANDOM, FADV_DONTNEED after each read), or auto (direct where the filesystem accepts it)")
+	fl.StringVar(&f.cacheSize, "cache-size", "1GiB",
+		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off")
 	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultConfig(1).PrefillQueuePages,
 		"prefill pages queued at most; past it the oldest prefill hints are dropped (decode hints are never dropped)")
 	fl.BoolVar(&f.allowOther, "allow-other", false,
@@ -102,6 +109,7 @@ type daemon struct {
 	srv   *fs.Server
 	store *backing.Store
 	pf    *prefetch.Prefetcher
+	hot   *cache.HotCache
 	log   *zap.Logger
 }
 
@@ -133,19 +141,25 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		log.Warn("injecting backing faults (testing only)", zap.String("faults", spec.String()))
 	}
 	loader := cache.NewLoader(src, model.Tables, st)
+	hot, err := newHotCache(model, mountpoint, mf.cacheSize, st, log)
+	if err != nil {
+		store.Close()
+		return nil, err
+	}
 	// The prefetcher needs the mount to push into, and the mount needs the
 	// prefetcher to take hints: the pusher is bound once the mount is live.
 	pusher := &latePusher{}
 	pcfg := prefetch.DefaultConfig(mf.queueDepth)
 	pcfg.PrefillQueuePages = mf.prefillQueue
-	pf := prefetch.New(pcfg, model, loader, pusher, nil, st, log)
+	pf := prefetch.New(pcfg, model, loader, pusher, hot, st, log)
 	srv, err := fs.Mount(mountpoint, fs.Options{
 		Model: model, Loader: loader, Stats: st, Log: log,
-		Faults: faultFanout{pf: pf, st: st}, Hints: pf,
+		Faults: faultFanout{pf: pf, hot: hot, st: st}, Hints: pf,
 		AllowOther: mf.allowOther, Debug: mf.debugFUSE,
 	})
 	if err != nil {
 		pf.Close()
+		hot.Close()
 		store.Close()
 		return nil, err
 	}
@@ -160,15 +174,20 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		zap.String("model", modelDir), zap.String("mountpoint", mountpoint),
 		zap.Int("tables", len(model.Tables)), zap.Int("layers", len(model.Layers)),
 		zap.Int("shards", len(model.Shards)), zap.Int("shards_direct_io", direct),
-		zap.Int("queue_depth", mf.queueDepth))
-	return &daemon{srv: srv, store: store, pf: pf, log: log}, nil
+		zap.Int("queue_depth", mf.queueDepth),
+		zap.Int64("cache_bytes", st.CacheCapacityBytes.Load()), zap.Bool("cache_pinned", st.CachePinned.Load()))
+	return &daemon{srv: srv, store: store, pf: pf, hot: hot, log: log}, nil
 }
 
 // stop unmounts (unless the mount is already gone) and releases
 // everything, in the order the kernel needs.
 func (d *daemon) stop(unmount bool) error {
-	// Stop pushing before the mount goes away.
+	// Stop pushing, then unlock and unmap the daemon's own mappings of the
+	// table files: while they exist the mount is busy.
 	d.pf.Close()
+	if err := d.hot.Close(); err != nil {
+		d.log.Warn("closing the hot tier", zap.Error(err))
+	}
 	var err error
 	if unmount {
 		err = d.srv.Unmount()
@@ -206,8 +225,9 @@ func (p *latePusher) Store(table uint32, off int64, data []byte) error {
 // faultFanout tells the prefetcher's late counter (and the hot tier) about
 // demand faults.
 type faultFanout struct {
-	pf *prefetch.Prefetcher
-	st *stats.Counters
+	pf  *prefetch.Prefetcher
+	hot *cache.HotCache
+	st  *stats.Counters
 }
 
 func (f faultFanout) Faulted(keys []cache.PageKey) {
@@ -216,4 +236,50 @@ func (f faultFanout) Faulted(keys []cache.PageKey) {
 			f.st.PrefetchLate.Add(1)
 		}
 	}
+	f.hot.Admit(keys, cache.SignalFault)
+}
+
+// newHotCache builds the pinned hot tier over the daemon's own view of the
+// table files (through the mount, mapped lazily once it is live).
+func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
+	capacity, err := units.RAMInBytes(size)
+	if err != nil || capacity < 0 {
+		return nil, usagef("--cache-size %q: want a size such as 512MiB or 4G, or 0", size)
+	}
+	abs, err := filepath.Abs(mountpoint)
+	if err != nil {
+		return nil, err
+	}
+	files := make([]cache.TableFile, len(m.Tables))
+	for i, t := range m.Tables {
+		files[i] = cache.TableFile{Path: filepath.Join(abs, t.Path()), Size: t.FileSize}
+	}
+	raiseMaxMapCount(capacity/cache.PageSize, log)
+	return cache.NewHotCache(capacity, cache.NewPinner(files, log), st, log), nil
+}
+
+// raiseMaxMapCount makes room for pinning pages pages: mlock of one page in
+// the middle of a mapping splits it into 3 VMAs, so a scattered hot set
+// needs ~2 VMAs a page, far past the default vm.max_map_count (65530) for
+// a 1 GiB tier. As root the daemon raises the limit (and says so); otherwise
+// the tier is clamped to fit, with a warning.
+func raiseMaxMapCount(pages int64, log *zap.Logger) {
+	const path = "/proc/sys/vm/max_map_count"
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return
+	}
+	cur, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil {
+		return
+	}
+	need := 2*pages + 65536 // and room for everything else the process maps
+	if need <= cur {
+		return
+	}
+	if err := os.WriteFile(path, []byte(strconv.FormatInt(need, 10)), 0o644); err != nil {
+		return // NewHotCache clamps the tier and warns
+	}
+	log.Info("raised vm.max_map_count so the hot tier fits (2 VMAs per pinned page)",
+		zap.Int64("from", cur), zap.Int64("to", need))
 }
