@@ -414,3 +414,76 @@ func TestForRuns(t *testing.T) {
 		t.Fatalf("a run of %d split into %d runs", len(long), len(got))
 	}
 }
+
+// TestHotCacheClampsCapacity: a capacity the kernel would refuse half way is
+// clamped at construction, with a warning, to vm.max_map_count (2 VMAs per
+// scattered page) and, without CAP_IPC_LOCK, to RLIMIT_MEMLOCK.
+func TestHotCacheClampsCapacity(t *testing.T) {
+	f := sparseFile(t, 16)
+	t.Run("max_map_count", func(t *testing.T) {
+		core, logs := observer.New(zapcore.WarnLevel)
+		h, _, st := newHot(t, 1<<28, zap.New(core), f) // 1 TiB
+		limit := int64(MaxPinnablePages(vmaHeadroom))
+		if got := st.CacheCapacityBytes.Load() / PageSize; got > limit || got < limit-64 || int64(h.tier.Capacity()) != got {
+			t.Fatalf("capacity %d pages, tier %d, want about %d", got, h.tier.Capacity(), limit)
+		}
+		if logs.Len() != 1 {
+			t.Fatalf("%d warnings, want 1", logs.Len())
+		}
+	})
+	t.Run("memlock", func(t *testing.T) {
+		var lim unix.Rlimit
+		if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim); err != nil || lim.Cur == unix.RLIM_INFINITY || lim.Cur/PageSize > 10_000 {
+			t.Skip("RLIMIT_MEMLOCK unlimited or large here")
+		}
+		p := NewPinner([]TableFile{f}, nil)
+		p.capLock = false // as an unprivileged daemon
+		st := &stats.Counters{}
+		h := NewHotCache(1<<30, p, st, nil)
+		defer h.Close()
+		if got := st.CacheCapacityBytes.Load(); got > int64(lim.Cur) || got == 0 {
+			t.Fatalf("capacity %d bytes with RLIMIT_MEMLOCK %d", got, lim.Cur)
+		}
+	})
+}
+
+// BenchmarkHotCacheAdmit is what a caller pays (policy, stats, queueing; the
+// worker's mlocks run on their own goroutine meanwhile): a 72-page decode
+// step, and one faulted page, Zipf(0.9) over 1M rows, capacity 20,000 pages.
+func BenchmarkHotCacheAdmit(b *testing.B) {
+	const rows = 1_000_000
+	path := filepath.Join(b.TempDir(), "sparse")
+	if err := os.WriteFile(path, nil, 0o644); err != nil {
+		b.Fatal(err)
+	}
+	if err := os.Truncate(path, rows*PageSize); err != nil {
+		b.Fatal(err)
+	}
+	p := NewPinner([]TableFile{{Path: path, Size: rows * PageSize}}, nil)
+	h := NewHotCache(rows/50*PageSize, p, nil, nil)
+	defer h.Close()
+	z := newZipfRows(rows, 0.9)
+	rng := rand.New(rand.NewPCG(7, 7))
+	steps := make([][]PageKey, 4096)
+	for i := range steps {
+		steps[i] = z.decodeStep(rng, 72, nil)
+		h.Admit(steps[i], SignalDecode)
+	}
+	h.Flush()
+	for _, bc := range []struct {
+		name string
+		n    int
+		sig  Signal
+	}{{"decode72", 72, SignalDecode}, {"fault1", 1, SignalFault}} {
+		b.Run(bc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				h.Admit(steps[i%len(steps)][:bc.n], bc.sig)
+				i++
+			}
+			b.StopTimer()
+			h.Flush()
+		})
+	}
+}

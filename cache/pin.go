@@ -317,6 +317,17 @@ func procStatusKB(field string) (uint64, bool) {
 	return 0, false
 }
 
+// memlockPages is how many more pages RLIMIT_MEMLOCK lets this process
+// lock; -1 if it does not apply (CAP_IPC_LOCK, or no limit).
+func (p *Pinner) memlockPages() int64 {
+	var lim unix.Rlimit
+	if p.capLock || unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim) != nil || lim.Cur == unix.RLIM_INFINITY {
+		return -1
+	}
+	locked, _ := lockedBytes()
+	return int64(max(lim.Cur, locked)-locked) / PageSize
+}
+
 // MaxPinnablePages is how many scattered pages this process can still lock
 // before mlock fails on vm.max_map_count: each isolated locked page splits
 // its mapping into 2 more VMAs. headroom VMAs are left for everything else

@@ -65,21 +65,21 @@ type Tier struct {
 	calls        atomic.Uint64 // numbers Access calls, for stamps
 }
 
-// Tuning, measured with BenchmarkTierHitRatio and BenchmarkTierTuning
-// (tier_bench_test.go; capacity 2% of 1M rows, Zipf(0.9) decode, a 20K-row
-// prefill chunk every 50 steps; decode hit ratios):
-//   - probation's reserve 5% / 10% / 20% / 25% / 33%: 0.539 / 0.537 / 0.532 /
-//     0.529 / 0.523 with uniform prefill rows, 0.548 / 0.547 / 0.543 / 0.542 /
-//     0.538 with popularity-drawn ones. The ghost list does the work of a long
-//     probation; 10% is the knee.
-//   - ghost list 0.5x / 1x / 2x capacity: 0.532 / 0.532 / 0.527 (uniform),
-//     0.543 / 0.543 / 0.538 (popularity); without one: 0.487.
-//   - prefill admission (3000 steps): none / ghost-remembered only / all:
-//     0.497 / 0.496 / 0.420 with uniform prefill rows, 0.494 / 0.514 / 0.512
-//     with popularity-drawn rows. Admitting every prefill page floods
-//     probation and costs 8 points when chunks are unrelated to decode;
-//     admitting only pages the ghost list remembers (recently in the tier)
-//     keeps that loss at zero and keeps the gain when they are related.
+// Tuning, measured with BenchmarkTierTuning and BenchmarkTierHitRatio
+// (tier_bench_test.go; capacity 2% of 1M rows, 72-row Zipf(0.9) decode
+// steps, a 20K-row prefill chunk every 50 steps; decode hit ratios, with
+// prefill rows drawn uniformly / by popularity):
+//   - probation's reserve 5% / 10% / 20% / 25% / 33% (12K steps): 0.539 /
+//     0.537 / 0.532 / 0.529 / 0.523 and 0.548 / 0.547 / 0.543 / 0.542 /
+//     0.538. The ghost list does the work of a long probation; 10% is the knee.
+//   - ghost list none / 0.5x / 1x / 2x capacity (10% reserve): 0.524 / 0.535 /
+//     0.537 / 0.534 and 0.523 / 0.546 / 0.547 / 0.540.
+//   - prefill admission none / ghost-remembered only / all (3K steps): 0.497 /
+//     0.496 / 0.420 and 0.494 / 0.514 / 0.512; with 20% of decode rows
+//     repeating the last chunk, 0.443 / 0.473 / 0.450. Admitting every prefill
+//     page floods probation: -8 points when chunks are unrelated to decode.
+//     Admitting only pages the ghost list remembers (recently in the tier)
+//     loses nothing there and keeps the gain when they are related.
 const (
 	maxShards         = 16
 	minShardPages     = 512 // below this per shard, use fewer shards: tiny shards waste budget to rounding

@@ -182,7 +182,7 @@ func BenchmarkTierTuning(b *testing.B) {
 	capPages := rows / 50
 	for _, zipfScan := range []bool{false, true} {
 		ops := trace{rows: rows, steps: 12000, warm: 2000, perStep: 72, scanEvery: 50, scanRows: 20_000, scanZipf: zipfScan}.ops(1)
-		for _, pg := range [][2]int{{50, 1000}, {100, 1000}, {200, 1000}, {250, 1000}, {330, 1000}, {200, 500}, {200, 2000}} {
+		for _, pg := range [][2]int{{50, 1000}, {100, 1000}, {200, 1000}, {250, 1000}, {330, 1000}, {100, 0}, {100, 500}, {100, 2000}} {
 			b.Run(fmt.Sprintf("scan_zipf=%v/probation=%d/ghost=%d", zipfScan, pg[0], pg[1]), func(b *testing.B) {
 				var r float64
 				for b.Loop() {
