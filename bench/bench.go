@@ -1,0 +1,271 @@
+// Package bench measures how engram rows are gathered today (pread, mmap,
+// mmap+willneed on the shard files) against engramfs with and without
+// hints, and against the disk's own limit, in one run on the same data: the
+// body of `engramfs bench` and `engramfs demo` (issue 5).
+//
+// A run generates (or reuses) a synthetic model per geometry big enough to
+// be cold, measures 4 KiB O_DIRECT random reads on its shards, then for
+// every path drops the page cache and runs the decode workload (steps of
+// Zipf-popular rows, timed one by one), drops it again and runs the prefill
+// workload (chunks of unique rows, each gather timed). The engramfs paths
+// run the daemon as a child process (the running executable's `mount`), so
+// its CPU time and memory come from /proc and its backing I/O from
+// .engramfs/stats; the other paths' backing I/O comes from /proc/self/io.
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// FUSEAvailable says why this process cannot mount engramfs (nil if it can):
+// the daemon mounts FUSE directly, which needs root and /dev/fuse.
+func FUSEAvailable() error {
+	if os.Geteuid() != 0 {
+		return errors.New("engramfs mounts FUSE directly (no fusermount), which needs root")
+	}
+	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("engramfs needs /dev/fuse: %w", err)
+	}
+	f.Close()
+	return nil
+}
+
+// Run measures what cfg asks for. On error (an interrupt included) it also
+// returns what was measured so far, with every mount it made gone.
+func Run(ctx context.Context, cfg Config) (*Report, error) {
+	if err := cfg.check(); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	prog := newProgress(cfg.Progress, cfg.ProgressTTY)
+	defer prog.done()
+	rep := &Report{
+		Started: start,
+		Machine: describeMachine(cfg.ModelRoot),
+		Settings: Settings{
+			DecodeSteps: cfg.Decode.Steps, DecodeRows: cfg.Decode.RowsPerStep, ZipfS: cfg.Decode.S,
+			Chunks: cfg.Prefill.Chunks, ChunkTokens: cfg.Prefill.ChunkTokens, Compute: cfg.Compute,
+			PreadWorkers: cfg.PreadWorkers, PreadTaskRows: cfg.PreadTaskRows, MmapWorkers: cfg.MmapWorkers,
+			Drop: cfg.Drop,
+		},
+	}
+	defer func() { rep.Elapsed = time.Since(start) }()
+	rep.Machine.Load = []string{"start: " + loadNow()}
+	note := func(format string, a ...any) {
+		n := fmt.Sprintf(format, a...)
+		rep.Notes = append(rep.Notes, n)
+		prog.printf("note: %s", n)
+	}
+
+	paths := cfg.Paths
+	if cfg.needsMount() {
+		if err := FUSEAvailable(); err != nil {
+			note("engramfs paths skipped: %v", err)
+			paths = nil
+			for _, p := range cfg.Paths {
+				if !p.mounts() {
+					paths = append(paths, p)
+				}
+			}
+		} else {
+			flags, err := daemonFlags(&cfg, note)
+			if err != nil {
+				return nil, err
+			}
+			rep.Settings.DaemonFlags = flags
+		}
+	}
+
+	// Every model first: the disk limit is measured over all their shards.
+	dirs := make([]string, len(cfg.Geometries))
+	var shards []string
+	for i, g := range cfg.Geometries {
+		prog.setPhase("%s: model", g.Name)
+		t0 := time.Now()
+		dir, generated, err := EnsureModel(ctx, cfg.ModelRoot, g, cfg.Seed, func(done, total int64) {
+			prog.update("generating %s of %s", fmtBytes(float64(done)), fmtBytes(float64(total)))
+		})
+		if err != nil {
+			return rep, err
+		}
+		dirs[i] = dir
+		gr := &GeometryReport{Geometry: g, ModelDir: dir}
+		if generated {
+			gr.Generated = time.Since(t0)
+			prog.printf("generated %s in %v", dir, gr.Generated.Round(time.Second))
+		}
+		rep.Geometries = append(rep.Geometries, gr)
+		ents, err := filepath.Glob(filepath.Join(dir, "model-*.safetensors"))
+		if err != nil {
+			return rep, err
+		}
+		shards = append(shards, ents...)
+	}
+
+	measureDisk := func(when string) error {
+		d, err := MeasureDisk(ctx, shards, cfg.DiskTime, cfg.DiskQDs, func(s string) { prog.setPhase("%s (%s)", s, when) })
+		if err != nil {
+			return err
+		}
+		rep.DiskRuns = append(rep.DiskRuns, d)
+		rep.Disk = bestDisk(rep.DiskRuns)
+		return nil
+	}
+	if err := measureDisk("start"); err != nil {
+		return rep, err
+	}
+
+	drop := &dropper{mode: cfg.Drop}
+	for i, g := range cfg.Geometries {
+		gr := rep.Geometries[i]
+		run, err := newGeomRun(&cfg, g, dirs[i], drop, prog, rep.Settings.DaemonFlags)
+		if err != nil {
+			return rep, err
+		}
+		gr.ChunkRows, gr.ChunkPages = run.chunkRows, run.chunkPages
+		for _, p := range paths {
+			res, warm, err := run.run(ctx, p)
+			if drop.fellBack != "" && !drop.noted {
+				drop.noted = true
+				note("could not drop the page cache (%s): dropped the files' caches with fadvise(DONTNEED) instead", drop.fellBack)
+			}
+			if err != nil {
+				rep.finish(cfg.QueueDepth)
+				return rep, err
+			}
+			gr.Paths = append(gr.Paths, res)
+			if warm != nil {
+				gr.Paths = append(gr.Paths, warm)
+			}
+		}
+		for _, p := range cfg.Paths {
+			if p.mounts() && !contains(paths, p) {
+				gr.Paths = append(gr.Paths, &PathResult{Path: p, Label: p.Label(), Skipped: "no FUSE (needs root and /dev/fuse)"})
+			}
+		}
+	}
+	if err := measureDisk("end"); err != nil {
+		return rep, err
+	}
+	rep.Machine.Load = append(rep.Machine.Load, "end: "+loadNow())
+	rep.finish(cfg.QueueDepth)
+	return rep, nil
+}
+
+// loadNow is the load average and the CPU and I/O pressure (10 s averages).
+func loadNow() string {
+	s := "load average ?"
+	if b, err := os.ReadFile("/proc/loadavg"); err == nil {
+		if f := strings.Fields(string(b)); len(f) >= 3 {
+			s = "load average " + strings.Join(f[:3], " ")
+		}
+	}
+	for _, res := range []string{"cpu", "io"} {
+		b, err := os.ReadFile("/proc/pressure/" + res)
+		if err != nil {
+			continue
+		}
+		line, _, _ := strings.Cut(string(b), "\n") // "some avg10=1.23 ..."
+		if f := strings.Fields(line); len(f) >= 2 {
+			s += fmt.Sprintf(", %s pressure %s", res, strings.TrimPrefix(f[1], "avg10="))
+		}
+	}
+	return s + " (pressure: % of the last 10 s that some task waited)"
+}
+
+func contains(ps []PathID, p PathID) bool {
+	for _, q := range ps {
+		if q == p {
+			return true
+		}
+	}
+	return false
+}
+
+// daemonFlags builds the flags of `engramfs mount` from cfg, passing the
+// optional ones only when the daemon lists them.
+func daemonFlags(cfg *Config, note func(string, ...any)) ([]string, error) {
+	known, err := DaemonFlags(cfg.Binary)
+	if err != nil {
+		return nil, err
+	}
+	flags := []string{"--queue-depth", strconv.Itoa(cfg.QueueDepth), "--backing-io", cfg.BackingIO}
+	if cfg.PrefetchQueue > 0 {
+		flags = append(flags, "--prefetch-queue", strconv.Itoa(cfg.PrefetchQueue))
+	}
+	if cfg.CacheSize != "" {
+		if known["cache-size"] {
+			flags = append(flags, "--cache-size", cfg.CacheSize)
+		} else {
+			note("this engramfs mount has no --cache-size (no hot tier yet): ran without it")
+		}
+	}
+	return flags, nil
+}
+
+// describeMachine names the CPUs, memory, kernel and the disk under dir.
+func describeMachine(dir string) Machine {
+	m := Machine{CPUs: runtime.NumCPU(), GoVersion: runtime.Version()}
+	var si unix.Sysinfo_t
+	if unix.Sysinfo(&si) == nil {
+		m.MemBytes = int64(si.Totalram) * int64(si.Unit)
+	}
+	var u unix.Utsname
+	if unix.Uname(&u) == nil {
+		m.Kernel = unix.ByteSliceToString(u.Release[:])
+	}
+	m.Disk = describeDisk(dir)
+	return m
+}
+
+// describeDisk finds the mount holding dir (the longest mountpoint that is a
+// prefix of it) and says its filesystem, device and the device's size.
+func describeDisk(dir string) string {
+	for dir != "/" {
+		if _, err := os.Stat(dir); err == nil {
+			break
+		}
+		dir = filepath.Dir(dir)
+	}
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return "unknown disk"
+	}
+	best, desc := "", "unknown disk"
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		sep := -1
+		for i, x := range f {
+			if x == "-" {
+				sep = i
+				break
+			}
+		}
+		if sep < 0 || sep+2 >= len(f) || len(f) < 5 {
+			continue
+		}
+		mp := f[4]
+		if (dir == mp || strings.HasPrefix(dir, strings.TrimSuffix(mp, "/")+"/")) && len(mp) > len(best) {
+			best = mp
+			fstype, src := f[sep+1], f[sep+2]
+			desc = fmt.Sprintf("%s on %s", fstype, src)
+			if sz, err := os.ReadFile("/sys/class/block/" + filepath.Base(src) + "/size"); err == nil {
+				if n, err := strconv.ParseInt(strings.TrimSpace(string(sz)), 10, 64); err == nil {
+					desc += fmt.Sprintf(" (%s)", fmtBytes(float64(n*512)))
+				}
+			}
+		}
+	}
+	return desc
+}

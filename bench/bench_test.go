@@ -1,0 +1,182 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/engramfs/engramfs/tests"
+)
+
+// tinyConfig is a whole bench run small enough for a test: 8 and 4 MiB
+// models, a few steps and one short chunk, caches dropped per file (a test
+// must not empty the machine's page cache).
+func tinyConfig(t *testing.T) Config {
+	t.Helper()
+	big, _ := NewGeometry(GeometryBig, 2, 1024)
+	flash, _ := NewGeometry(GeometryFlash, 2, 8192)
+	c := DefaultConfig()
+	c.Binary = tests.Binary(t)
+	c.ModelRoot = t.TempDir()
+	c.Geometries = []Geometry{big, flash}
+	c.Decode.Steps = 8
+	c.Prefill = DefaultPrefill(2)
+	c.Prefill.ChunkTokens = 512
+	c.Compute = 50 * time.Millisecond
+	c.DiskTime = 100 * time.Millisecond
+	c.DiskQDs = []int{4}
+	c.QueueDepth = 4
+	c.MmapWorkers = 8
+	c.PreadWorkers = 4
+	c.Drop = DropFiles
+	return c
+}
+
+// noBenchMounts fails t if a bench mountpoint is still mounted.
+func noBenchMounts(t *testing.T) {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.Contains(f[4], "engramfs-bench-mnt-") {
+			t.Errorf("left mounted: %s", f[4])
+		}
+	}
+}
+
+// TestRunTiny runs every path on both geometries against a real mount and
+// checks that each measured what it claims: rows gathered (and verified
+// against the model's bytes), backing I/O seen, hints taken, the daemon's
+// CPU and memory read, and nothing left mounted.
+func TestRunTiny(t *testing.T) {
+	tests.RequireFUSE(t)
+	cfg := tinyConfig(t)
+	var progress bytes.Buffer
+	cfg.Progress = &progress
+	rep, err := Run(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("%v\nprogress:\n%s", err, progress.String())
+	}
+	noBenchMounts(t)
+	if len(rep.Geometries) != 2 || len(rep.DiskRuns) != 2 || rep.Disk.QD1.N == 0 || rep.Disk.IOPS[4] <= 0 {
+		t.Fatalf("report lacks geometries or the disk limit: %+v", rep)
+	}
+	for _, g := range rep.Geometries {
+		if len(g.Paths) != len(AllPaths)+1 {
+			t.Errorf("%s: %d path results, want %d (every path and the warm reference)", g.Geometry.Name, len(g.Paths), len(AllPaths)+1)
+		}
+		for _, p := range g.Paths {
+			if p.Skipped != "" {
+				t.Errorf("%s %s skipped: %s", g.Geometry.Name, p.Path, p.Skipped)
+				continue
+			}
+			for name, ph := range map[string]*Phase{"decode": p.Decode, "prefill": p.Prefill} {
+				if ph == nil || ph.Times.N == 0 || ph.Rows == 0 {
+					t.Errorf("%s %s %s: nothing measured", g.Geometry.Name, p.Path, name)
+					continue
+				}
+				// Every measured path read its rows from backing at least once
+				// (the tables are dropped before each phase); the warm one never.
+				if p.Path != PathWarm && ph.BackingBytes == 0 {
+					t.Errorf("%s %s %s: no backing I/O seen from cold caches (%s)", g.Geometry.Name, p.Path, name, ph.BackingFrom)
+				}
+			}
+			if p.Path.mounts() {
+				if p.Daemon == nil || p.Daemon.CPU <= 0 || p.Daemon.Mem.HWM <= 0 {
+					t.Errorf("%s %s: daemon usage not measured: %+v", g.Geometry.Name, p.Path, p.Daemon)
+				}
+				if p.Decode.Stats == nil || p.Prefill.Stats == nil {
+					t.Fatalf("%s %s: no .engramfs/stats deltas", g.Geometry.Name, p.Path)
+				}
+			}
+		}
+		eng, hints := g.path(PathEngramfs), g.path(PathHints)
+		if eng.Decode.Stats.FuseReads == 0 || eng.Decode.Stats.HintFrames != 0 {
+			t.Errorf("%s engramfs: %d FUSE reads and %d hint frames, want faults and no hints", g.Geometry.Name, eng.Decode.Stats.FuseReads, eng.Decode.Stats.HintFrames)
+		}
+		// 2 layers a step, plus the split of nothing: one frame per layer.
+		if got := hints.Decode.Stats.HintFrames; got != uint64(2*cfg.Decode.Steps) {
+			t.Errorf("%s engramfs+hints decode: %d hint frames, want %d", g.Geometry.Name, got, 2*cfg.Decode.Steps)
+		}
+		if hints.Decode.Hint == nil || hints.Decode.Hint.N != cfg.Decode.Steps {
+			t.Errorf("%s engramfs+hints decode: hint and barrier not timed per step", g.Geometry.Name)
+		}
+		pf := hints.Prefill.Prefetch
+		if pf == nil || pf.Times.N != cfg.Prefill.Chunks || pf.Pages == 0 || pf.Failed != 0 {
+			t.Errorf("%s engramfs+hints prefill: prefetch %+v, want %d chunks of stored pages, none failed", g.Geometry.Name, pf, cfg.Prefill.Chunks)
+		}
+	}
+	if len(rep.Targets) == 0 {
+		t.Error("no target judged")
+	}
+	var table bytes.Buffer
+	rep.WriteTable(&table)
+	if !strings.Contains(table.String(), "5 engramfs+hints") {
+		t.Errorf("table:\n%s", table.String())
+	}
+	if err := rep.Plot(filepath.Join(t.TempDir(), "p.png")); err != nil {
+		t.Error(err)
+	}
+
+	// A second run reuses the models.
+	cfg.Paths = []PathID{PathMmap}
+	cfg.Geometries = cfg.Geometries[:1]
+	rep2, err := Run(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep2.Geometries[0].Generated != 0 {
+		t.Error("the second run generated the model again")
+	}
+}
+
+// cancelOn cancels when a progress line contains a string.
+type cancelOn struct {
+	mu     sync.Mutex
+	when   string
+	cancel func()
+	buf    bytes.Buffer
+}
+
+func (c *cancelOn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.buf.Write(p)
+	if strings.Contains(c.buf.String(), c.when) {
+		c.cancel()
+	}
+	return len(p), nil
+}
+
+// TestRunInterrupted cancels a run while a daemon is mounted (what Ctrl-C
+// does): Run must return promptly with the cancellation, the mount gone.
+func TestRunInterrupted(t *testing.T) {
+	tests.RequireFUSE(t)
+	cfg := tinyConfig(t)
+	cfg.Geometries = cfg.Geometries[:1]
+	cfg.Paths = []PathID{PathHints}
+	cfg.Compute = 10 * time.Second // the cancel lands in the compute sleep, or in a step
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cfg.Progress = &cancelOn{when: PathHints.Label() + ": prefill", cancel: cancel}
+	start := time.Now()
+	_, err := Run(ctx, cfg)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run returned %v, want the cancellation", err)
+	}
+	if d := time.Since(start); d > 9*time.Second {
+		t.Errorf("Run took %v to notice the cancellation", d)
+	}
+	noBenchMounts(t)
+	if m, _ := filepath.Glob(filepath.Join(os.TempDir(), "engramfs-bench-mnt-*")); len(m) > 0 {
+		t.Errorf("mountpoints left behind: %v", m)
+	}
+}

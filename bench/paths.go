@@ -1,0 +1,430 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/hints/client"
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// geomRun measures the paths on one geometry's model.
+type geomRun struct {
+	cfg      *Config
+	g        Geometry
+	modelDir string
+	model    *backing.Model
+	drop     *dropper
+	prog     *progress
+	flags    []string // daemon flags
+
+	decode     [][][]uint64 // step -> layer index -> rows (lookups)
+	prefill    [][][]uint64 // chunk -> layer index -> unique rows
+	chunkRows  []int
+	chunkPages []int
+}
+
+func newGeomRun(cfg *Config, g Geometry, dir string, drop *dropper, prog *progress, flags []string) (*geomRun, error) {
+	m, err := backing.Load(dir, backing.DefaultTablePattern)
+	if err != nil {
+		return nil, err
+	}
+	r := &geomRun{cfg: cfg, g: g, modelDir: dir, model: m, drop: drop, prog: prog, flags: flags}
+	var layerRows []uint64
+	for _, l := range m.Layers {
+		n, _ := m.LayerRows(l)
+		layerRows = append(layerRows, n)
+	}
+	r.decode = DecodeWorkload(cfg.Seed, layerRows, cfg.Decode)
+	r.prefill = PrefillWorkload(cfg.Seed, layerRows, cfg.Prefill)
+	for _, ch := range r.prefill {
+		rows, pages := 0, 0
+		for j, rs := range ch {
+			rows += len(rs)
+			pages += TablePages(m, m.Layers[j], rs)
+		}
+		r.chunkRows = append(r.chunkRows, rows)
+		r.chunkPages = append(r.chunkPages, pages)
+	}
+	return r, nil
+}
+
+func (r *geomRun) shardFiles() []string {
+	var out []string
+	for _, sh := range r.model.Shards {
+		out = append(out, sh.Path)
+	}
+	return out
+}
+
+// run measures path p: decode then prefill, each from cold caches. For
+// PathEngramfs it also returns the warm reference.
+func (r *geomRun) run(ctx context.Context, p PathID) (res, warm *PathResult, err error) {
+	res = &PathResult{Path: p, Label: p.Label()}
+	var d *Daemon
+	open := func() (*gatherSet, error) {
+		advice := unix.MADV_RANDOM
+		switch p {
+		case PathPread:
+			advice = -1
+		case PathMmapRA:
+			advice = unix.MADV_NORMAL
+		}
+		return openShards(r.model, r.cfg.Seed, advice)
+	}
+	if p.mounts() {
+		d, err = StartDaemon(ctx, r.cfg.Binary, r.flags, r.modelDir)
+		if err != nil {
+			return nil, nil, err
+		}
+		defer func() {
+			if serr := d.Stop(); serr != nil && err == nil {
+				err = fmt.Errorf("%s: stopping the daemon: %w", p, serr)
+			}
+		}()
+		open = func() (*gatherSet, error) { return openMount(r.model, d.Mountpoint, r.cfg.Seed) }
+		res.Daemon = &DaemonUsage{}
+	}
+	if p == PathEngramfs {
+		warm = &PathResult{Path: PathWarm, Label: PathWarm.Label(), Decode: &Phase{}, Prefill: &Phase{}}
+	}
+	var warmDec, warmPre *Phase
+	if warm != nil {
+		warmDec, warmPre = warm.Decode, warm.Prefill
+	}
+	res.Decode, err = r.phase(ctx, p, "decode", d, open, func(gs *gatherSet, ph *Phase) error {
+		return r.decodeBody(ctx, p, d, gs, ph, warmDec)
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	res.Prefill, err = r.phase(ctx, p, "prefill", d, open, func(gs *gatherSet, ph *Phase) error {
+		return r.prefillBody(ctx, p, d, gs, ph, warmPre)
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	if d != nil {
+		res.Daemon.CPU = res.Decode.DaemonCPU + res.Prefill.DaemonCPU
+		if res.Daemon.Mem, err = d.Mem(); err != nil {
+			return nil, nil, fmt.Errorf("daemon memory: %w", err)
+		}
+	}
+	return res, warm, nil
+}
+
+// phase drops caches, opens the path's files, runs body and accounts for
+// the backing I/O and CPU time it cost.
+func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *Daemon, open func() (*gatherSet, error), body func(*gatherSet, *Phase) error) (*Phase, error) {
+	ph := &Phase{}
+	r.prog.setPhase("%s %s: %s: dropping caches", r.g.Name, p.Label(), name)
+	files := r.shardFiles()
+	if d != nil {
+		for _, t := range r.model.Tables {
+			files = append(files, filepath.Join(d.Mountpoint, t.Path()))
+		}
+	}
+	how, err := r.drop.drop(files)
+	if err != nil {
+		return nil, err
+	}
+	ph.Cold = how
+	gs, err := open()
+	if err != nil {
+		return nil, err
+	}
+	defer gs.close()
+
+	r.prog.setPhase("%s %s: %s", r.g.Name, p.Label(), name)
+	readBefore, err := SelfReadBytes()
+	if err != nil {
+		return nil, err
+	}
+	var stBefore stats.Snapshot
+	var cpuBefore time.Duration
+	if d != nil {
+		if stBefore, err = d.Stats(); err != nil {
+			return nil, err
+		}
+		if cpuBefore, err = d.CPU(); err != nil {
+			return nil, err
+		}
+	}
+	clientBefore := selfCPU()
+
+	if err := body(gs, ph); err != nil {
+		return nil, fmt.Errorf("%s %s %s: %w", r.g.Name, p, name, err)
+	}
+
+	ph.ClientCPU = selfCPU() - clientBefore
+	if d != nil {
+		cpu, err := d.CPU()
+		if err != nil {
+			return nil, err
+		}
+		ph.DaemonCPU = cpu - cpuBefore
+		after, err := d.Stats()
+		if err != nil {
+			return nil, err
+		}
+		delta := statsDelta(stBefore, after)
+		ph.Stats = &delta
+		ph.BackingBytes, ph.BackingFrom = delta.BackingBytes, ".engramfs/stats backing_bytes"
+	} else {
+		readAfter, err := SelfReadBytes()
+		if err != nil {
+			return nil, err
+		}
+		ph.BackingBytes, ph.BackingFrom = readAfter-readBefore, "/proc/self/io read_bytes"
+	}
+	if ph.Rows > 0 {
+		ph.BytesPerRow = float64(ph.BackingBytes) / float64(ph.Rows)
+	}
+	if err := gs.close(); err != nil {
+		return nil, err
+	}
+	return ph, nil
+}
+
+// decodeBody runs the decode steps: each gathers RowsPerStep rows of every
+// layer (every table) and is timed whole, hints and barrier included.
+func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *Daemon, gs *gatherSet, ph *Phase, warm *Phase) error {
+	var h *client.Hinter
+	if p == PathHints {
+		var err error
+		if h, err = client.Open(d.Mountpoint); err != nil {
+			return err
+		}
+		defer h.Close()
+	}
+	buf := make([]byte, maxRowBytes(gs))
+	times := make([]time.Duration, 0, len(r.decode))
+	var hintTimes, warmTimes []time.Duration
+	procs := 1
+	if p == PathPread {
+		procs = r.cfg.PreadWorkers + 2
+	}
+	err := withProcs(procs, func() error {
+		for i, step := range r.decode {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			start := time.Now()
+			switch p {
+			case PathPread:
+				if err := gs.gatherPool(step, r.cfg.PreadWorkers, r.cfg.PreadTaskRows, true); err != nil {
+					return err
+				}
+			case PathMmapWillneed:
+				if err := gs.willneed(step); err != nil {
+					return err
+				}
+				gs.gatherSerial(step, buf)
+			case PathHints:
+				for j, rows := range step {
+					if err := h.Decode(r.model.Layers[j], rows); err != nil {
+						return err
+					}
+				}
+				if err := h.Wait(); err != nil {
+					return err
+				}
+				hintTimes = append(hintTimes, time.Since(start))
+				gs.gatherSerial(step, buf)
+			default:
+				gs.gatherSerial(step, buf)
+			}
+			times = append(times, time.Since(start))
+			if warm != nil {
+				ws := time.Now()
+				gs.gatherSerial(step, buf)
+				warmTimes = append(warmTimes, time.Since(ws))
+			}
+			if err := gs.verify(step); err != nil {
+				return err
+			}
+			r.prog.update("step %d/%d, p50 %s", i+1, len(r.decode), fmtDur(Percentile(times, 50)))
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	rows := int64(len(r.decode) * len(r.model.Layers) * r.cfg.Decode.RowsPerStep)
+	ph.Times, ph.Rows = Summarize(times), rows
+	if hintTimes != nil {
+		s := Summarize(hintTimes)
+		ph.Hint = &s
+	}
+	if warm != nil {
+		warm.Cold = "none (each step gathered again right after its timed gather)"
+		warm.Times, warm.Rows = Summarize(warmTimes), rows
+	}
+	return nil
+}
+
+// prefetchRec is one chunk's prefill hints: sent, then waited for.
+type prefetchRec struct {
+	dur          time.Duration
+	pages, reads uint64
+	err          error
+}
+
+// prefillBody gathers every chunk's unique rows. Path 5 hints chunk k+1
+// right after chunk k's gather, then "computes" for cfg.Compute, so the
+// prefetch overlaps the compute, as an engine that hashes ahead would.
+func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *Daemon, gs *gatherSet, ph *Phase, warm *Phase) error {
+	var h *client.Hinter
+	var pf *Prefetch
+	var pfTimes []time.Duration
+	var pending <-chan prefetchRec
+	sendHints := func(k int) error {
+		before, err := d.Stats()
+		if err != nil {
+			return err
+		}
+		start := time.Now()
+		for j, rows := range r.prefill[k] {
+			if err := h.Prefill(r.model.Layers[j], rows); err != nil {
+				return err
+			}
+		}
+		ch := make(chan prefetchRec, 1)
+		go func() {
+			rec := prefetchRec{err: h.Wait()}
+			rec.dur = time.Since(start)
+			if after, err := d.Stats(); err == nil {
+				rec.pages = after.PrefetchPagesStored - before.PrefetchPagesStored
+				rec.reads = after.BackingReads - before.BackingReads
+			}
+			ch <- rec
+		}()
+		pending = ch
+		return nil
+	}
+	collect := func() {
+		if pending == nil {
+			return
+		}
+		rec := <-pending
+		pending = nil
+		pfTimes = append(pfTimes, rec.dur)
+		pf.Pages += rec.pages
+		pf.Reads += rec.reads
+		if rec.err != nil {
+			pf.Failed++
+		}
+		if rec.dur <= r.cfg.Compute {
+			pf.WithinCompute++
+		}
+	}
+	compute := func() error {
+		select {
+		case <-time.After(r.cfg.Compute):
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	if p == PathHints {
+		var err error
+		if h, err = client.Open(d.Mountpoint); err != nil {
+			return err
+		}
+		defer h.Close()
+		pf = &Prefetch{}
+		// The first chunk's hints go out during the compute before it (the
+		// previous chunk's, or the prompt's embedding).
+		if err := sendHints(0); err != nil {
+			return err
+		}
+		if err := compute(); err != nil {
+			collect()
+			return err
+		}
+	}
+	defer collect()
+
+	buf := make([]byte, maxRowBytes(gs))
+	times := make([]time.Duration, 0, len(r.prefill))
+	var warmTimes []time.Duration
+	workers := r.cfg.MmapWorkers
+	if p == PathPread {
+		workers = r.cfg.PreadWorkers
+	}
+	err := withProcs(workers+2, func() error {
+		for k, chunk := range r.prefill {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			start := time.Now()
+			var err error
+			switch p {
+			case PathPread:
+				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, true)
+			case PathMmapWillneed:
+				if err = gs.willneed(chunk); err == nil {
+					gs.gatherSerial(chunk, buf)
+				}
+			default:
+				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, false)
+			}
+			if err != nil {
+				return err
+			}
+			times = append(times, time.Since(start))
+			if warm != nil {
+				ws := time.Now()
+				if err := gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, false); err != nil {
+					return err
+				}
+				warmTimes = append(warmTimes, time.Since(ws))
+			}
+			if err := gs.verify(chunk); err != nil {
+				return err
+			}
+			r.prog.update("chunk %d/%d: %d rows in %s", k+1, len(r.prefill), r.chunkRows[k], fmtDur(times[k]))
+			if p == PathHints {
+				collect()
+				if k+1 < len(r.prefill) {
+					if err := sendHints(k + 1); err != nil {
+						return err
+					}
+				}
+				if err := compute(); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	var rows, pages int64
+	for k := range r.prefill {
+		rows += int64(r.chunkRows[k])
+		pages += int64(r.chunkPages[k])
+	}
+	ph.Times, ph.Rows, ph.Pages = Summarize(times), rows, pages
+	ph.RowsPerSec = float64(rows) / ph.Times.Sum.Seconds()
+	if pf != nil {
+		collect()
+		pf.Times = Summarize(pfTimes)
+		if s := pf.Times.Sum.Seconds(); s > 0 {
+			pf.PagesPerSec, pf.ReadsPerSec = float64(pf.Pages)/s, float64(pf.Reads)/s
+		}
+		ph.Prefetch = pf
+	}
+	if warm != nil {
+		warm.Cold = "none (each chunk gathered again right after its timed gather)"
+		warm.Times, warm.Rows, warm.Pages = Summarize(warmTimes), rows, pages
+		warm.RowsPerSec = float64(rows) / warm.Times.Sum.Seconds()
+	}
+	return nil
+}

@@ -1,0 +1,215 @@
+package bench
+
+import (
+	"bytes"
+	"encoding/json"
+	"image/png"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// fakeReport is a report with round numbers: mmap decodes in 10 ms and
+// gathers a chunk in 1 s; the disk reads a page in 100 µs at QD1 and 100K
+// pages/s; each chunk needs 50K pages (a 0.5 s limit).
+func fakeReport() *Report {
+	ph := func(p50 time.Duration, chunk time.Duration) (*Phase, *Phase) {
+		dec := &Phase{Times: Summary{N: 10, P50: p50, P99: 2 * p50, Mean: p50, Sum: 10 * p50}, Rows: 1440, BackingBytes: 1440 * 4096, BackingFrom: "x", BytesPerRow: 4096}
+		pre := &Phase{Times: Summary{N: 2, Mean: chunk, Sum: 2 * chunk, P50: chunk}, Rows: 60_000, Pages: 100_000, BackingFrom: "x", BytesPerRow: 8192}
+		pre.RowsPerSec = float64(pre.Rows) / pre.Times.Sum.Seconds()
+		return dec, pre
+	}
+	g := &GeometryReport{Geometry: Geometry{Name: "big", Layers: 2, Rows: 1 << 20, WeightRow: 4096, ScaleRow: 128}, ChunkRows: []int{30_000, 30_000}, ChunkPages: []int{50_000, 50_000}}
+	add := func(id PathID, p50, chunk time.Duration) *PathResult {
+		d, p := ph(p50, chunk)
+		r := &PathResult{Path: id, Label: id.Label(), Decode: d, Prefill: p}
+		g.Paths = append(g.Paths, r)
+		return r
+	}
+	add(PathPread, 8*time.Millisecond, 800*time.Millisecond)
+	add(PathMmap, 10*time.Millisecond, time.Second)
+	add(PathMmapWillneed, 2*time.Millisecond, 1500*time.Millisecond)
+	eng := add(PathEngramfs, 12*time.Millisecond, 2*time.Second)
+	eng.Daemon = &DaemonUsage{CPU: 3 * time.Second, Mem: ProcMem{RSS: 50 << 20, HWM: 60 << 20}}
+	eng.Decode.Stats = &stats.Snapshot{FuseReads: 1000, BackingBytes: 1000 * 8192}
+	add(PathWarm, 100*time.Microsecond, 110*time.Millisecond)
+	h := add(PathHints, 2500*time.Microsecond, 120*time.Millisecond)
+	h.Prefill.Prefetch = &Prefetch{Times: Summary{N: 2, P50: 600 * time.Millisecond}, ReadsPerSec: 90_000, PagesPerSec: 95_000, WithinCompute: 2}
+	g.Paths = append(g.Paths, &PathResult{Path: PathMmapRA, Label: PathMmapRA.Label(), Skipped: "not asked for"})
+	r := &Report{
+		Machine:    Machine{CPUs: 2, MemBytes: 24 << 30, Kernel: "6.18", Disk: "ext4 on /dev/vda"},
+		Settings:   Settings{DecodeSteps: 10, DecodeRows: 72, ZipfS: 0.9, Chunks: 2, ChunkTokens: 8192, Compute: time.Second, PreadWorkers: 32, PreadTaskRows: 16, MmapWorkers: 96},
+		Geometries: []*GeometryReport{g},
+	}
+	r.DiskRuns = []*DiskLimit{
+		{QD1: Summary{P50: 100 * time.Microsecond}, IOPS: map[int]float64{32: 80_000, 64: 90_000}},
+		{QD1: Summary{P50: 150 * time.Microsecond}, IOPS: map[int]float64{32: 85_000, 64: 100_000}},
+	}
+	r.Disk = bestDisk(r.DiskRuns)
+	r.finish(64)
+	return r
+}
+
+func near(a, b float64) bool { return math.Abs(a-b) <= 1e-9*math.Max(1, math.Abs(b)) }
+
+func TestRatios(t *testing.T) {
+	r := fakeReport()
+	g := r.Geometries[0]
+	if !near(g.LimitChunkSec, 0.5) {
+		t.Errorf("limit a chunk = %v s, want 50K pages at the best 100K IOPS = 0.5", g.LimitChunkSec)
+	}
+	for _, tc := range []struct {
+		id               PathID
+		decMmap, decDisk float64
+		preMmap, preDisk float64
+	}{
+		{PathMmap, 1, 100, 1, 2},
+		{PathPread, 0.8, 80, 0.8, 1.6},
+		{PathEngramfs, 1.2, 120, 2, 4},
+		{PathHints, 0.25, 25, 0.12, 0.24},
+	} {
+		p := g.path(tc.id)
+		got := p.Ratios
+		if !near(got.DecodeVsMmap, tc.decMmap) || !near(got.DecodeVsDisk, tc.decDisk) || !near(got.PrefillVsMmap, tc.preMmap) || !near(got.PrefillVsDisk, tc.preDisk) {
+			t.Errorf("%s: ratios %+v, want decode %v×mmap %v×disk, prefill %v×mmap %v×disk", tc.id, got, tc.decMmap, tc.decDisk, tc.preMmap, tc.preDisk)
+		}
+	}
+	if p := g.Paths[len(g.Paths)-1]; p.Ratios != (Ratios{}) {
+		t.Errorf("a skipped path got ratios %+v", p.Ratios)
+	}
+}
+
+func TestBestDisk(t *testing.T) {
+	r := fakeReport()
+	if r.Disk.QD1.P50 != 100*time.Microsecond || r.Disk.IOPS[32] != 85_000 || r.Disk.IOPS[64] != 100_000 {
+		t.Errorf("best of two runs = QD1 %v, IOPS %v", r.Disk.QD1.P50, r.Disk.IOPS)
+	}
+	if r.DiskRuns[0].IOPS[64] != 90_000 {
+		t.Error("bestDisk changed a run it combined")
+	}
+}
+
+func TestTargets(t *testing.T) {
+	r := fakeReport()
+	want := map[string]bool{
+		"decode p50: engramfs+hints ≤ 0.3× mmap":                true,  // 0.25
+		"decode p50: engramfs+hints ≤ mmap+willneed":            false, // 2.5 ms vs 2 ms
+		"prefill gather: engramfs+hints ≤ 1.2× warm page cache": true,  // 120 vs 110 ms
+		"decode p50: engramfs (no hints) ≤ 1.5× mmap":           true,  // 1.2
+		"prefill gather: engramfs (no hints) ≤ 1.5× mmap":       false, // 2
+		"prefetch throughput ≥ 0.8× disk IOPS at the same QD":   true,  // 90K of 100K
+	}
+	seen := 0
+	for _, tg := range r.Targets {
+		if strings.HasPrefix(tg.Name, "engramfs backing I/O per cold fault") {
+			if !near(tg.Value, 2) || !tg.Met {
+				t.Errorf("backing I/O per fault = %v pages (met %v), want 2 (8 KiB a fault), met", tg.Value, tg.Met)
+			}
+			seen++
+			continue
+		}
+		met, ok := want[tg.Name]
+		if !ok {
+			t.Errorf("unexpected target %q", tg.Name)
+			continue
+		}
+		seen++
+		if tg.Met != met {
+			t.Errorf("%s: met = %v (value %v, bound %v), want %v", tg.Name, tg.Met, tg.Value, tg.Bound, met)
+		}
+	}
+	if seen != len(want)+1 {
+		t.Errorf("judged %d targets, want %d", seen, len(want)+1)
+	}
+}
+
+func TestWriteTableAndJSON(t *testing.T) {
+	r := fakeReport()
+	var b bytes.Buffer
+	r.WriteTable(&b)
+	out := b.String()
+	for _, s := range []string{"2 mmap", "5 engramfs+hints", "warm page cache", "skipped: not asked for", "MISSED", "10.0ms", "60 MiB", "QD64 100K IOPS"} {
+		if !strings.Contains(out, s) {
+			t.Errorf("table lacks %q:\n%s", s, out)
+		}
+	}
+	path := filepath.Join(t.TempDir(), "r.json")
+	if err := r.WriteJSON(path); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back Report
+	if err := json.Unmarshal(raw, &back); err != nil {
+		t.Fatal(err)
+	}
+	if len(back.Geometries) != 1 || back.Geometries[0].path(PathHints).Decode.Times.P50 != 2500*time.Microsecond {
+		t.Errorf("JSON round trip lost the figures")
+	}
+}
+
+func TestPlot(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "bench.png")
+	if err := fakeReport().Plot(path); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	img, err := png.Decode(f)
+	if err != nil {
+		t.Fatalf("not a PNG: %v", err)
+	}
+	if b := img.Bounds(); b.Dx() < 800 || b.Dy() < 300 {
+		t.Errorf("chart is %v, too small to read", b)
+	}
+	if os.Getenv("BENCH_KEEP_PLOT") != "" {
+		raw, _ := os.ReadFile(path)
+		os.WriteFile(os.Getenv("BENCH_KEEP_PLOT"), raw, 0o644)
+	}
+}
+
+func TestStatsDelta(t *testing.T) {
+	before := stats.Snapshot{FuseReads: 10, BackingBytes: 100, CacheUsedBytes: 5, CachePinned: true}
+	after := stats.Snapshot{FuseReads: 15, BackingBytes: 400, CacheUsedBytes: 3, CachePinned: true}
+	d := statsDelta(before, after)
+	if d.FuseReads != 5 || d.BackingBytes != 300 || d.CacheUsedBytes != 3 || !d.CachePinned {
+		t.Errorf("delta = %+v: counters subtract, gauges keep their last value", d)
+	}
+}
+
+func TestProcParsers(t *testing.T) {
+	// The command name may hold spaces and parentheses.
+	stat := []byte("1234 (engram fs) (x)) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 8 0 100 0 0\n")
+	cpu, err := parseStatCPU(stat)
+	if err != nil || cpu != 3250*time.Millisecond {
+		t.Errorf("cpu = %v, %v; want 325 ticks = 3.25s", cpu, err)
+	}
+	status := []byte("Name:\tengramfs\nVmPeak:\t  9999 kB\nVmHWM:\t    2048 kB\nVmRSS:\t    1024 kB\n")
+	m, err := parseStatusMem(status)
+	if err != nil || m.RSS != 1<<20 || m.HWM != 2<<20 {
+		t.Errorf("mem = %+v, %v", m, err)
+	}
+	if _, err := parseStatusMem([]byte("Name:\tkthreadd\n")); err == nil {
+		t.Error("a status without VmRSS parsed")
+	}
+	io := []byte("rchar: 1\nwchar: 2\nsyscr: 3\nsyscw: 4\nread_bytes: 8192\nwrite_bytes: 0\n")
+	if n, err := parseIOReadBytes(io); err != nil || n != 8192 {
+		t.Errorf("read_bytes = %d, %v", n, err)
+	}
+	if _, err := SelfReadBytes(); err != nil {
+		t.Errorf("reading our own /proc/self/io: %v", err)
+	}
+	if _, err := ProcCPU(os.Getpid()); err != nil {
+		t.Errorf("reading our own /proc stat: %v", err)
+	}
+}
