@@ -8,9 +8,11 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	units "github.com/docker/go-units"
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/cache"
@@ -94,6 +96,7 @@ files. Must run as root (or with the right to mount FUSE directly).`)
 	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 	gone := make(chan struct{})
 	go func() { d.srv.Wait(); close(gone) }()
+	detached := watchMountpoint(fl.Arg(1))
 	select {
 	case s := <-sig:
 		log.Info("unmounting", zap.String("signal", s.String()))
@@ -101,7 +104,35 @@ files. Must run as root (or with the right to mount FUSE directly).`)
 	case <-gone:
 		log.Info("unmounted from outside", zap.String("mountpoint", d.srv.Mountpoint()))
 		return d.stop(false)
+	case <-detached:
+		// A lazy unmount from outside (engramfs unmount on a busy mount)
+		// hides the mount but keeps the connection alive while anything maps
+		// a file, the daemon's own pinned mappings included: let go of them.
+		log.Info("mount detached from outside", zap.String("mountpoint", d.srv.Mountpoint()))
+		return d.stop(false)
 	}
+}
+
+// watchMountpoint closes the returned channel once mountpoint no longer
+// shows the mount (it was detached from outside). The root's attributes are
+// cached by the kernel, so the check rarely reaches FUSE.
+func watchMountpoint(mountpoint string) <-chan struct{} {
+	out := make(chan struct{})
+	var st unix.Stat_t
+	if err := unix.Stat(mountpoint, &st); err != nil {
+		return out
+	}
+	dev := st.Dev
+	go func() {
+		for {
+			time.Sleep(500 * time.Millisecond)
+			if err := unix.Stat(mountpoint, &st); err != nil || st.Dev != dev {
+				close(out)
+				return
+			}
+		}
+	}()
+	return out
 }
 
 // daemon is a running mount and everything it owns.
