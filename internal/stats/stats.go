@@ -7,6 +7,7 @@ package stats
 
 import (
 	"encoding/json"
+	"runtime"
 	"sync/atomic"
 )
 
@@ -67,6 +68,10 @@ type Snapshot struct {
 	PrefetchPagesDropped uint64 `json:"prefetch_pages_dropped"`
 	PrefetchStoreErrors  uint64 `json:"prefetch_store_errors"`
 	PrefetchLate         uint64 `json:"prefetch_late"`
+
+	// Goroutines is the daemon's goroutine count when the snapshot was
+	// taken: a leak shows up as a count that does not come back down.
+	Goroutines int `json:"goroutines"`
 }
 
 // Snapshot reads every counter once. Counters are read one by one, so a
@@ -96,6 +101,8 @@ func (c *Counters) Snapshot() Snapshot {
 		PrefetchPagesDropped: c.PrefetchPagesDropped.Load(),
 		PrefetchStoreErrors:  c.PrefetchStoreErrors.Load(),
 		PrefetchLate:         c.PrefetchLate.Load(),
+
+		Goroutines: runtime.NumGoroutine(),
 	}
 }
 
