@@ -18,7 +18,7 @@ import (
 // the same read fails every time it is retried, so a test can check that
 // nothing wrong was cached and that a retry does not "heal" by luck.
 type FaultSpec struct {
-	EIOFraction   float64       // fraction of reads that fail with EIO (syscall.EIO wrapped with context)
+	EIOFraction   float64       // fraction of data pages that are bad: a read covering one fails with EIO (syscall.EIO wrapped with context)
 	ShortFraction float64       // fraction of reads that return fewer bytes than asked (the loader must treat this as an error, never as data)
 	Latency       time.Duration // added to every read
 	Seed          uint64
@@ -127,7 +127,7 @@ func (f *faultReader) ReadTable(t *Table, off int64, n int) ([]byte, error) {
 	if f.spec.Latency > 0 {
 		time.Sleep(f.spec.Latency)
 	}
-	if f.failsPage(t, off, n) || f.draw(saltEIO, t, off) < f.spec.EIOFraction {
+	if f.failsPage(t, off, n) || f.badPage(t, off, n) {
 		f.count()
 		return nil, fmt.Errorf("table %s: data offset %d: injected fault: %w", t.Name, off, syscall.EIO)
 	}
@@ -167,6 +167,21 @@ func (f *faultReader) failsPage(t *Table, off int64, n int) bool {
 	}
 	for k, bad := range f.spec.FailPages {
 		if bad && k[0] == id && k[1] >= first && k[1] <= last {
+			return true
+		}
+	}
+	return false
+}
+
+// badPage reports whether data bytes [off, off+n) of t cover a page drawn
+// bad. The draw is per page, not per read, as with a bad sector: a page fails
+// the same way whether a fault reads it alone or a prefetch run covers it.
+func (f *faultReader) badPage(t *Table, off int64, n int) bool {
+	if f.spec.EIOFraction <= 0 || n <= 0 || off < 0 {
+		return false
+	}
+	for p := off / PageSize; p <= (off+int64(n)-1)/PageSize; p++ {
+		if f.draw(saltEIO, t, p*PageSize) < f.spec.EIOFraction {
 			return true
 		}
 	}
