@@ -63,7 +63,8 @@ func (l *Loader) Table(id uint32) *backing.Table {
 // not the loader's business: first must be at least the table's DataPage.
 // Pages another caller is already reading are waited for, not read again;
 // the rest are read in runs of adjacent pages, one backing read per run.
-// The returned slices must not be modified.
+// The returned slices must not be modified. When some pages fail, the error
+// is the first failure and exactly the failed pages are nil.
 //
 // LOCKS_EXCLUDED(l.mu)
 func (l *Loader) Load(id uint32, first, n uint64, origin Origin) ([][]byte, error) {
@@ -107,14 +108,15 @@ func (l *Loader) Load(id uint32, first, n uint64, origin Origin) ([][]byte, erro
 	}
 
 	out := make([][]byte, n)
+	var firstErr error
 	for i, f := range fl {
 		<-f.done
-		if f.err != nil {
-			return nil, f.err
+		if f.err != nil && firstErr == nil {
+			firstErr = f.err
 		}
 		out[i] = f.data
 	}
-	return out, nil
+	return out, firstErr
 }
 
 // readRun reads pages [first, first+len(fl)) with one backing read and
@@ -122,24 +124,41 @@ func (l *Loader) Load(id uint32, first, n uint64, origin Origin) ([][]byte, erro
 func (l *Loader) readRun(t *backing.Table, id uint32, first uint64, fl []*flight) {
 	dataOff := int64(first-t.DataPage()) * PageSize
 	length := min(int64(len(fl))*PageSize, t.DataLen-dataOff)
-	buf, err := l.src.ReadTable(t, dataOff, int(length))
-	if err == nil && int64(len(buf)) != length {
-		err = fmt.Errorf("table %s: backing returned %d of %d bytes at %d", t.Name, len(buf), length, dataOff)
+	buf, err := l.read(t, dataOff, length)
+	if err != nil && len(fl) > 1 {
+		// One bad page must not fail its neighbours: read the run again a
+		// page at a time, so the good pages of a hint still land.
+		for i := range fl {
+			lo := dataOff + int64(i)*PageSize
+			fl[i].data, fl[i].err = l.read(t, lo, min(PageSize, t.DataLen-lo))
+		}
+	} else {
+		for i, f := range fl {
+			lo := int64(i) * PageSize
+			if err != nil {
+				f.err = err
+			} else {
+				f.data = buf[lo:min(lo+PageSize, length):min(lo+PageSize, length)]
+			}
+		}
 	}
 	l.mu.Lock()
-	for i, f := range fl {
-		if err != nil {
-			f.err = err
-		} else {
-			lo := int64(i) * PageSize
-			f.data = buf[lo:min(lo+PageSize, length):min(lo+PageSize, length)]
-		}
+	for i := range fl {
 		delete(l.flights, PageKey{Table: id, Page: first + uint64(i)})
 	}
 	l.mu.Unlock()
 	for _, f := range fl {
 		close(f.done)
 	}
+}
+
+// read is one backing read; a short result is an error, never data.
+func (l *Loader) read(t *backing.Table, off, n int64) ([]byte, error) {
+	buf, err := l.src.ReadTable(t, off, int(n))
+	if err == nil && int64(len(buf)) != n {
+		return nil, fmt.Errorf("table %s: backing returned %d of %d bytes at %d", t.Name, len(buf), n, off)
+	}
+	return buf, err
 }
 
 // InFlight reports whether page k is being read right now.

@@ -313,14 +313,26 @@ func (p *Prefetcher) worker() {
 			}
 			first := tk.first + uint64(i)
 			pages, err := p.loader.Load(tk.table, first, uint64(j-i), cache.OriginPrefetch)
-			if err != nil {
-				// Settle the run as failed now; nothing to push.
-				p.settle(tk.table, first, uint64(j-i), err)
-			} else {
-				p.pushes <- pushJob{table: tk.table, first: first, pages: pages}
-			}
+			p.dispatch(tk.table, first, pages, err)
 			i = j
 		}
+	}
+}
+
+// dispatch hands the pages that loaded to the pushers, in runs of adjacent
+// pages, and settles the failed ones: one bad page fails only itself.
+func (p *Prefetcher) dispatch(table uint32, first uint64, pages [][]byte, err error) {
+	for i := 0; i < len(pages); {
+		j := i + 1
+		for j < len(pages) && (pages[j] == nil) == (pages[i] == nil) {
+			j++
+		}
+		if pages[i] == nil {
+			p.settle(table, first+uint64(i), uint64(j-i), err)
+		} else {
+			p.pushes <- pushJob{table: table, first: first + uint64(i), pages: pages[i:j]}
+		}
+		i = j
 	}
 }
 
