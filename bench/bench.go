@@ -84,6 +84,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 				return nil, err
 			}
 			rep.Settings.DaemonFlags = flags
+			if cfg.DaemonGOMAXPROCS > 0 {
+				rep.Settings.DaemonEnv = []string{fmt.Sprintf("GOMAXPROCS=%d", cfg.DaemonGOMAXPROCS)}
+			}
 		}
 	}
 

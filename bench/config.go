@@ -97,6 +97,10 @@ type Config struct {
 	BackingIO     string
 	PrefetchQueue int // 0: the daemon's default
 	CacheSize     string
+	// DaemonGOMAXPROCS, if > 0, runs the daemon with GOMAXPROCS set to it
+	// (an experiment: the daemon's blocking preads and FUSE reads each hold
+	// one of GOMAXPROCS Ps until the runtime hands it off).
+	DaemonGOMAXPROCS int
 
 	// Progress receives the live progress line (nil: none). ProgressTTY
 	// updates one line in place; otherwise a line is printed per phase.

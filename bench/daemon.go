@@ -42,7 +42,8 @@ const (
 
 // StartDaemon runs `bin mount [flags] modelDir MOUNTPOINT` on a fresh
 // temporary mountpoint and returns once the daemon logs "mounted".
-func StartDaemon(ctx context.Context, bin string, flags []string, modelDir string) (*Daemon, error) {
+// env, if not empty, is added to the daemon's environment.
+func StartDaemon(ctx context.Context, bin string, flags, env []string, modelDir string) (*Daemon, error) {
 	mp, err := os.MkdirTemp("", "engramfs-bench-mnt-")
 	if err != nil {
 		return nil, err
@@ -55,6 +56,9 @@ func StartDaemon(ctx context.Context, bin string, flags []string, modelDir strin
 		log:        &tailBuffer{max: 64 << 10},
 		mounted:    make(chan struct{}),
 		exited:     make(chan struct{}),
+	}
+	if len(env) > 0 {
+		d.cmd.Env = append(os.Environ(), env...)
 	}
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{
 		// Its own process group: a Ctrl-C at the terminal reaches the bench

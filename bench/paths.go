@@ -22,6 +22,7 @@ type geomRun struct {
 	drop     *dropper
 	prog     *progress
 	flags    []string // daemon flags
+	env      []string // added to the daemon's environment
 
 	decode     [][][]uint64 // step -> layer index -> rows (lookups)
 	prefill    [][][]uint64 // chunk -> layer index -> unique rows
@@ -35,6 +36,9 @@ func newGeomRun(cfg *Config, g Geometry, dir string, drop *dropper, prog *progre
 		return nil, err
 	}
 	r := &geomRun{cfg: cfg, g: g, modelDir: dir, model: m, drop: drop, prog: prog, flags: flags}
+	if cfg.DaemonGOMAXPROCS > 0 {
+		r.env = []string{fmt.Sprintf("GOMAXPROCS=%d", cfg.DaemonGOMAXPROCS)}
+	}
 	var layerRows []uint64
 	for _, l := range m.Layers {
 		n, _ := m.LayerRows(l)
@@ -78,7 +82,7 @@ func (r *geomRun) run(ctx context.Context, p PathID) (res, warm *PathResult, err
 		return openShards(r.model, r.cfg.Seed, advice)
 	}
 	if p.mounts() {
-		d, err = StartDaemon(ctx, r.cfg.Binary, r.flags, r.modelDir)
+		d, err = StartDaemon(ctx, r.cfg.Binary, r.flags, r.env, r.modelDir)
 		if err != nil {
 			return nil, nil, err
 		}

@@ -1,11 +1,13 @@
 package bench
 
 import (
+	"cmp"
 	"fmt"
 	"image/color"
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"gonum.org/v1/plot"
@@ -53,7 +55,12 @@ func (r *Report) Plot(path string) error {
 	for i, g := range r.Geometries {
 		var ids []PathID
 		var dec, pre []float64
-		for _, p := range g.Paths {
+		// The warm reference goes last: it is the floor, not a contender.
+		paths := slices.Clone(g.Paths)
+		slices.SortStableFunc(paths, func(a, b *PathResult) int {
+			return cmp.Compare(boolInt(a.Path == PathWarm), boolInt(b.Path == PathWarm))
+		})
+		for _, p := range paths {
 			if p.Skipped != "" {
 				continue
 			}
@@ -128,7 +135,7 @@ func barPanel(title string, ids []PathID, vals []float64, limit float64, limitNa
 	p := plot.New()
 	p.Title.Text = title
 	p.Y.Scale = plot.LogScale{}
-	p.Y.Tick.Marker = plot.LogTicks{Prec: -1}
+	p.Y.Tick.Marker = formattedTicks{format}
 	p.Y.Tick.Label.Font.Size = vg.Points(9)
 	p.X.Tick.Label.Font.Size = vg.Points(10)
 	names := make([]string, len(ids))
@@ -194,4 +201,24 @@ func (b *logBars) DataRange() (xmin, xmax, ymin, ymax float64) {
 	}
 	// Room below the shortest bar, and above the tallest for its label.
 	return -0.5, float64(len(b.vals)) - 0.5, ymin / 3, ymax * 3
+}
+
+// formattedTicks are log ticks labelled like the bars (100K, not 100000).
+type formattedTicks struct{ format func(float64) string }
+
+func (f formattedTicks) Ticks(lo, hi float64) []plot.Tick {
+	ts := plot.LogTicks{Prec: -1}.Ticks(lo, hi)
+	for i := range ts {
+		if ts[i].Label != "" {
+			ts[i].Label = f.format(ts[i].Value)
+		}
+	}
+	return ts
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

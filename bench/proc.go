@@ -52,8 +52,10 @@ func parseStatCPU(b []byte) (time.Duration, error) {
 
 // ProcMem is a process's resident memory from /proc/PID/status.
 type ProcMem struct {
-	RSS int64 `json:"rss_bytes"` // VmRSS: resident now (pinned table pages it maps included)
-	HWM int64 `json:"hwm_bytes"` // VmHWM: the peak of VmRSS
+	RSS  int64 `json:"rss_bytes"`      // VmRSS: resident now
+	HWM  int64 `json:"hwm_bytes"`      // VmHWM: the peak of VmRSS
+	Anon int64 `json:"rss_anon_bytes"` // RssAnon: heap and stacks, now
+	File int64 `json:"rss_file_bytes"` // RssFile: mapped file pages now (the hot tier's pinned table pages)
 }
 
 // ReadProcMem reads VmRSS and VmHWM of pid.
@@ -71,7 +73,18 @@ func parseStatusMem(b []byte) (ProcMem, error) {
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	for sc.Scan() {
 		k, v, ok := strings.Cut(sc.Text(), ":")
-		if !ok || (k != "VmRSS" && k != "VmHWM") {
+		var dst *int64
+		switch k {
+		case "VmRSS":
+			dst = &m.RSS
+		case "VmHWM":
+			dst = &m.HWM
+		case "RssAnon":
+			dst = &m.Anon
+		case "RssFile":
+			dst = &m.File
+		}
+		if !ok || dst == nil {
 			continue
 		}
 		f := strings.Fields(v) // "12345 kB"
@@ -82,12 +95,10 @@ func parseStatusMem(b []byte) (ProcMem, error) {
 		if err != nil {
 			return ProcMem{}, fmt.Errorf("/proc status: %s: %w", k, err)
 		}
-		if k == "VmRSS" {
-			m.RSS = n << 10
-		} else {
-			m.HWM = n << 10
+		*dst = n << 10
+		if k == "VmRSS" || k == "VmHWM" {
+			found++
 		}
-		found++
 	}
 	if found != 2 {
 		return ProcMem{}, fmt.Errorf("/proc status: no VmRSS or VmHWM (a kernel thread?)")

@@ -42,6 +42,7 @@ type Settings struct {
 	PreadTaskRows int           `json:"pread_task_rows"`
 	MmapWorkers   int           `json:"mmap_workers"`
 	DaemonFlags   []string      `json:"daemon_flags,omitempty"`
+	DaemonEnv     []string      `json:"daemon_env,omitempty"`
 	Drop          DropMode      `json:"drop"`
 }
 
@@ -121,6 +122,9 @@ type Target struct {
 	Bound    float64 `json:"bound"`
 	Met      bool    `json:"met"`
 	Detail   string  `json:"detail"`
+	// Unmet is set when the target's precondition did not hold in this run
+	// (then Met says nothing): why.
+	Unmet string `json:"precondition_unmet,omitempty"`
 }
 
 // Machine describes where the run happened.
@@ -208,11 +212,16 @@ func judge(g *GeometryReport, disk *DiskLimit, queueDepth int) []Target {
 			Detail: fmt.Sprintf("%s vs %s", fmtDur(hints.Decode.Times.P50), fmtDur(willneed.Decode.Times.P50))})
 	}
 	if hints != nil && hints.Prefill != nil && warm != nil && warm.Prefill != nil {
-		d := fmt.Sprintf("%s vs %s a chunk", fmtDur(hints.Prefill.Times.Mean), fmtDur(warm.Prefill.Times.Mean))
+		t := Target{Name: "prefill gather: engramfs+hints ≤ 1.2× warm page cache", Value: ratio(float64(hints.Prefill.Times.Sum), float64(warm.Prefill.Times.Sum)), Bound: 1.2,
+			Detail: fmt.Sprintf("%s vs %s a chunk", fmtDur(hints.Prefill.Times.Mean), fmtDur(warm.Prefill.Times.Mean))}
 		if pf := hints.Prefill.Prefetch; pf != nil {
-			d += fmt.Sprintf("; prefetch %s a chunk (p50), done within compute for %d of %d chunks", fmtDur(pf.Times.P50), pf.WithinCompute, pf.Times.N)
+			t.Detail += fmt.Sprintf("; prefetch %s a chunk (p50), done within compute for %d of %d chunks", fmtDur(pf.Times.P50), pf.WithinCompute, pf.Times.N)
+			// The target holds "when compute per chunk >= prefetch time".
+			if pf.WithinCompute < pf.Times.N {
+				t.Unmet = "the prefetch outlasted the compute (the target assumes compute ≥ prefetch time: raise --compute)"
+			}
 		}
-		add(Target{Name: "prefill gather: engramfs+hints ≤ 1.2× warm page cache", Value: ratio(float64(hints.Prefill.Times.Sum), float64(warm.Prefill.Times.Sum)), Bound: 1.2, Detail: d})
+		add(t)
 	}
 	if eng != nil && mmap != nil {
 		if eng.Decode != nil && mmap.Decode != nil {
@@ -238,9 +247,10 @@ func judge(g *GeometryReport, disk *DiskLimit, queueDepth int) []Target {
 			if ra != nil && ra.Prefill != nil && mmap != nil && mmap.Prefill != nil {
 				d += fmt.Sprintf("; shards mapped: %.0f B/row with MADV_RANDOM, %.0f without", mmap.Prefill.BytesPerRow, ra.Prefill.BytesPerRow)
 			}
-			// O_DIRECT reads the aligned superset of a page: 2 blocks when
-			// the shard's table data is not 4 KiB-aligned (as in real checkpoints).
-			add(Target{Name: "engramfs backing I/O per cold fault ≤ 2 pages (1 page, 2 blocks when unaligned)", Value: float64(bytes) / float64(reads) / 4096, Bound: 2, Detail: d})
+			// O_DIRECT reads the aligned superset of a page: up to one
+			// alignment unit (512 B to 4 KiB, STATX_DIOALIGN) more when the
+			// shard's table data is not aligned, as in real checkpoints.
+			add(Target{Name: "engramfs backing I/O per cold fault ≤ 1 page (+ O_DIRECT alignment)", Value: float64(bytes) / float64(reads) / 4096, Bound: 1.25, Detail: d})
 		}
 	}
 	if hints != nil && hints.Prefill != nil && hints.Prefill.Prefetch != nil && disk != nil {
@@ -278,7 +288,7 @@ func (r *Report) WriteTable(w io.Writer) {
 	fmt.Fprintf(w, "decode: %d steps × %d Zipf(s=%.2g) rows × every layer, one thread (pread: %d workers × %d rows); prefill: %d chunks × %d tokens, %d workers (path 3: one thread), compute %v\n",
 		s.DecodeSteps, s.DecodeRows, s.ZipfS, s.PreadWorkers, s.PreadTaskRows, s.Chunks, s.ChunkTokens, s.MmapWorkers, s.Compute)
 	if len(s.DaemonFlags) > 0 {
-		fmt.Fprintf(w, "daemon: engramfs mount %s\n", strings.Join(s.DaemonFlags, " "))
+		fmt.Fprintf(w, "daemon: %sengramfs mount %s\n", strings.Join(append(s.DaemonEnv, ""), " "), strings.Join(s.DaemonFlags, " "))
 	}
 	for _, l := range r.Machine.Load {
 		fmt.Fprintf(w, "load: %s\n", l)
@@ -310,10 +320,10 @@ func (r *Report) WriteTable(w io.Writer) {
 			fmt.Fprintf(w, "prefill chunk: %s unique rows (all layers), %.2f pages/row; disk limit %s a chunk\n",
 				fmtCount(float64(rows)/float64(len(g.ChunkRows))), float64(pages)/float64(rows), fmtDur(time.Duration(g.LimitChunkSec*float64(time.Second))))
 		}
-		fmt.Fprintf(w, "%-20s │ %26s │ %36s │ %13s │ %13s\n", "", "decode step", "prefill chunk gather", "backing B/row", "daemon")
-		fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s │ %8s %8s %6s %6s │ %6s %6s │ %5s %7s\n",
-			"path", "p50", "p99", "×mmap", "×disk", "mean", "rows/s", "×mmap", "×disk", "dec", "pre", "cpu s", "rss")
-		fmt.Fprintf(w, "%s\n", strings.Repeat("─", 20)+"─┼─"+strings.Repeat("─", 27)+"┼─"+strings.Repeat("─", 37)+"┼─"+strings.Repeat("─", 14)+"┼─"+strings.Repeat("─", 13))
+		fmt.Fprintf(w, "%-20s │ %27s │ %35s │ %13s │ %22s\n", "", "decode step", "prefill chunk gather", "backing B/row", "daemon")
+		fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s │ %8s %7s %6s %6s │ %6s %6s │ %5s %7s %8s\n",
+			"path", "p50", "p99", "×mmap", "×disk", "mean", "rows/s", "×mmap", "×disk", "dec", "pre", "cpu s", "rss max", "anon")
+		fmt.Fprintf(w, "%s\n", strings.Repeat("─", 21)+"┼"+strings.Repeat("─", 29)+"┼"+strings.Repeat("─", 37)+"┼"+strings.Repeat("─", 15)+"┼"+strings.Repeat("─", 24))
 		for _, p := range g.Paths {
 			if p.Skipped != "" {
 				fmt.Fprintf(w, "%-20s │ skipped: %s\n", p.Label, p.Skipped)
@@ -333,12 +343,12 @@ func (r *Report) WriteTable(w io.Writer) {
 					bpr[i] = fmtCount(ph.BytesPerRow)
 				}
 			}
-			dm := [2]string{"-", "-"}
+			dm := [3]string{"-", "-", "-"}
 			if d := p.Daemon; d != nil {
-				dm = [2]string{fmt.Sprintf("%.1f", d.CPU.Seconds()), fmtBytes(float64(d.Mem.HWM))}
+				dm = [3]string{fmt.Sprintf("%.1f", d.CPU.Seconds()), fmtMiB(d.Mem.HWM), fmtMiB(d.Mem.Anon)}
 			}
-			fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s │ %8s %8s %6s %6s │ %6s %6s │ %5s %7s\n",
-				p.Label, dec[0], dec[1], dec[2], dec[3], pre[0], pre[1], pre[2], pre[3], bpr[0], bpr[1], dm[0], dm[1])
+			fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s │ %8s %7s %6s %6s │ %6s %6s │ %5s %7s %8s\n",
+				p.Label, dec[0], dec[1], dec[2], dec[3], pre[0], pre[1], pre[2], pre[3], bpr[0], bpr[1], dm[0], dm[1], dm[2])
 		}
 		for _, p := range g.Paths {
 			if p.Prefill == nil || p.Prefill.Prefetch == nil {
@@ -368,17 +378,23 @@ func (r *Report) WriteTable(w io.Writer) {
 			cs = append(cs, c)
 		}
 		if len(cs) > 0 {
-			fmt.Fprintf(w, "cold caches before each path and phase: %s\n", strings.Join(cs, ", "))
+			fmt.Fprintf(w, "cold caches before each path and phase: %s; daemon rss max includes the table pages its hot tier pins, anon is its heap at the end\n", strings.Join(cs, ", "))
 		}
 	}
 	if len(r.Targets) > 0 {
 		fmt.Fprintf(w, "\ntargets (issue 5):\n")
 		for _, t := range r.Targets {
 			mark := "MISSED"
-			if t.Met {
+			switch {
+			case t.Unmet != "":
+				mark = "n/a   "
+			case t.Met:
 				mark = "met   "
 			}
 			fmt.Fprintf(w, "  %s %-6s %-58s %6.2f (bound %.2f): %s\n", mark, t.Geometry, t.Name, t.Value, t.Bound, t.Detail)
+			if t.Unmet != "" {
+				fmt.Fprintf(w, "         not judged: %s\n", t.Unmet)
+			}
 		}
 	}
 	for _, n := range r.Notes {
@@ -452,6 +468,8 @@ func fmtCount(v float64) string {
 	}
 	return fmt.Sprintf("%.0f", v)
 }
+
+func fmtMiB(n int64) string { return fmt.Sprintf("%.0fM", float64(n)/(1<<20)) }
 
 func fmtBytes(v float64) string {
 	switch {

@@ -14,12 +14,12 @@ func init() {
 
 func runDemo(args []string) error {
 	fl := newFlagSet("demo", "[flags]", `
-Generates a small synthetic model (2 engram layers of 131072 rows of 4096 +
-128 bytes, 1.1 GiB) in a temporary directory, mounts it with engramfs, and
+Generates a small synthetic model (2 engram layers of 65536 rows of 4096 +
+128 bytes, 528 MiB) in a temporary directory, mounts it with engramfs, and
 compares gathering its rows by mmap of the shard files (what engines do
 today), through the mount, and through the mount with hints: a short decode
-(Zipf-popular rows, one thread) and prefill (8192-token chunks) run each,
-from a cold page cache. Prints the table, unmounts and removes everything, in
+(100 steps of 72 Zipf-popular rows a layer, one thread) and prefill (two
+4096-token chunks, 1 s of compute each) run each, from a cold page cache. Prints the table, unmounts and removes everything, in
 under a minute. Needs root and /dev/fuse (engramfs mounts FUSE directly).
 
 'engramfs bench' is the full comparison (every path, both row geometries,
@@ -49,7 +49,7 @@ run it as root (sudo engramfs demo), on a machine whose kernel has FUSE
 	}
 
 	cfg := bench.DefaultConfig()
-	g, err := bench.NewGeometry(bench.GeometryBig, 2, 128<<10)
+	g, err := bench.NewGeometry(bench.GeometryBig, 2, 64<<10)
 	if err != nil {
 		return err
 	}
@@ -58,7 +58,8 @@ run it as root (sudo engramfs demo), on a machine whose kernel has FUSE
 	cfg.ModelRoot = dir
 	cfg.Decode.Steps = 100
 	cfg.Prefill.Chunks = 2
-	cfg.Compute = 500 * time.Millisecond
+	cfg.Prefill.ChunkTokens = 4096
+	cfg.Compute = time.Second
 	cfg.DiskTime = 500 * time.Millisecond
 	cfg.DiskQDs = []int{cfg.QueueDepth}
 	// Only the demo's own files: a demo must not empty the machine's page cache.
