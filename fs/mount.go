@@ -111,14 +111,17 @@ func Mount(mountpoint string, o Options) (*Server, error) {
 // names the problem, and detaches a dead engramfs mount left by a killed
 // daemon (stat fails with ENOTCONN there).
 func checkMountpoint(mp string, log *zap.Logger) error {
-	fi, err := os.Stat(mp)
+	// statfs always reaches the filesystem; stat may be answered from
+	// attributes the kernel cached before the daemon died.
+	var sfs unix.Statfs_t
+	err := unix.Statfs(mp, &sfs)
 	if errors.Is(err, syscall.ENOTCONN) {
 		if uerr := unix.Unmount(mp, unix.MNT_DETACH); uerr != nil {
 			return fmt.Errorf("mountpoint %s: dead mount (transport endpoint not connected) and lazy unmount failed: %w", mp, uerr)
 		}
 		log.Warn("detached a dead mount left by a previous daemon", zap.String("mountpoint", mp))
-		fi, err = os.Stat(mp)
 	}
+	fi, err := os.Stat(mp)
 	if err != nil {
 		return fmt.Errorf("mountpoint: %w", err)
 	}
