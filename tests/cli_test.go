@@ -154,32 +154,36 @@ func TestUnusableMountpointIsRefused(t *testing.T) {
 	expectMountRefused(t, dir, file, file, "not a directory")
 }
 
-func TestSIGTERMWithAMappedReaderDetaches(t *testing.T) {
-	spec := backing.DefaultSynth()
-	spec.Rows = 256
-	d := Mount(t, Synth(t, spec))
-	m := mapFile(t, filepath.Join(d.Mountpoint, "layers", "0", "weight.safetensors"))
-	Touch(m, 4096)
-	start := time.Now()
-	if err := d.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-d.Exited():
-	case <-time.After(10 * time.Second):
-		t.Fatalf("daemon did not exit within 10 s of SIGTERM with a mapped reader\n%s", d.Log())
-	}
-	if err := d.ExitErr(); err != nil {
-		t.Fatalf("daemon exited with %v\n%s", err, d.Log())
-	}
-	if Mounted(d.Mountpoint) {
-		t.Fatalf("%s still mounted", d.Mountpoint)
-	}
-	if el := time.Since(start); el > 2*time.Second {
-		t.Errorf("mount gone after %v, want within 2 s", el)
-	}
-	if !strings.Contains(d.Log(), "detached") {
-		t.Errorf("daemon did not say it detached the busy mount:\n%s", d.Log())
+func TestSignalWithAMappedReaderDetaches(t *testing.T) {
+	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGINT} {
+		t.Run(sig.String(), func(t *testing.T) {
+			spec := backing.DefaultSynth()
+			spec.Rows = 256
+			d := Mount(t, Synth(t, spec))
+			m := mapFile(t, filepath.Join(d.Mountpoint, "layers", "0", "weight.safetensors"))
+			Touch(m, 4096)
+			start := time.Now()
+			if err := d.Signal(sig); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case <-d.Exited():
+			case <-time.After(10 * time.Second):
+				t.Fatalf("daemon did not exit within 10 s of %v with a mapped reader\n%s", sig, d.Log())
+			}
+			if err := d.ExitErr(); err != nil {
+				t.Fatalf("daemon exited with %v\n%s", err, d.Log())
+			}
+			if Mounted(d.Mountpoint) {
+				t.Fatalf("%s still mounted", d.Mountpoint)
+			}
+			if el := time.Since(start); el > 2*time.Second {
+				t.Errorf("mount gone after %v, want within 2 s", el)
+			}
+			if !strings.Contains(d.Log(), "detached") {
+				t.Errorf("daemon did not say it detached the busy mount:\n%s", d.Log())
+			}
+		})
 	}
 }
 
