@@ -7,8 +7,10 @@ package stats
 
 import (
 	"encoding/json"
+	"os"
 	"runtime"
 	"sync/atomic"
+	"time"
 )
 
 // Counters is shared by every package of one mount. The zero value is ready.
@@ -41,7 +43,59 @@ type Counters struct {
 	PrefetchPagesDropped atomic.Uint64 // prefill pages dropped because the queue was full
 	PrefetchStoreErrors  atomic.Uint64 // stores that failed (ENOENT included: inode not yet looked up)
 	PrefetchLate         atomic.Uint64 // FUSE reads of a page whose prefetch was queued or in flight
+
+	// Warm restart (internal/warm): pages of the saved hot set to fetch
+	// again, and how many of them are settled (resident, failed or dropped).
+	WarmPagesTotal atomic.Uint64
+	WarmPagesDone  atomic.Uint64
+
+	// layers is the hint accuracy of each engram layer; read-only after
+	// SetLayers, so lookups take no lock.
+	layers map[int]*LayerCounters
+
+	// Timings receives service times for the histograms of --metrics-addr.
+	// Nil when metrics are off: the hot paths then pay one nil check and no
+	// clock read. Set it before the counters are shared, never after.
+	Timings Timings
 }
+
+// LayerCounters is how well the hints of one layer worked.
+type LayerCounters struct {
+	Pushed    atomic.Uint64 // hinted pages pushed into the page cache
+	Refaulted atomic.Uint64 // hinted pages that a FUSE read asked for anyway (evicted since the push, or the push was late)
+	Dropped   atomic.Uint64 // hinted prefill pages dropped from a full queue
+}
+
+// SetLayers creates the per-layer counters. Call it once, before the
+// counters are shared.
+func (c *Counters) SetLayers(layers []int) {
+	c.layers = make(map[int]*LayerCounters, len(layers))
+	for _, l := range layers {
+		c.layers[l] = &LayerCounters{}
+	}
+}
+
+// Layer returns the counters of layer, or nil when SetLayers did not name it.
+func (c *Counters) Layer(layer int) *LayerCounters { return c.layers[layer] }
+
+// Timings hears how long the timed operations took. Implementations must be
+// cheap and must not block: FaultServed runs in the FUSE Read handler.
+type Timings interface {
+	// FaultServed: a READ of a table file, from the request to the reply.
+	FaultServed(table uint32, d time.Duration)
+	// BackingRead: one pread of a shard (a coalesced run), queue slot held.
+	BackingRead(table uint32, d time.Duration)
+	// BarrierWaited: an fsync of the control file. layer is the one layer
+	// its frames named since the previous fsync, BarrierSeveralLayers, or
+	// BarrierNoLayer.
+	BarrierWaited(layer int, d time.Duration)
+}
+
+// Layer values of Timings.BarrierWaited that are not a layer.
+const (
+	BarrierSeveralLayers = -1
+	BarrierNoLayer       = -2
+)
 
 // Snapshot is the JSON form of Counters, as served by `.engramfs/stats`.
 type Snapshot struct {
@@ -69,9 +123,18 @@ type Snapshot struct {
 	PrefetchStoreErrors  uint64 `json:"prefetch_store_errors"`
 	PrefetchLate         uint64 `json:"prefetch_late"`
 
+	WarmPagesTotal uint64 `json:"warm_pages_total"`
+	WarmPagesDone  uint64 `json:"warm_pages_done"`
+
+	// Layers is the hint accuracy per engram layer, keyed by layer number
+	// (a string in JSON).
+	Layers map[int]LayerSnapshot `json:"layers,omitempty"`
+
 	// Goroutines is the daemon's goroutine count when the snapshot was
 	// taken: a leak shows up as a count that does not come back down.
 	Goroutines int `json:"goroutines"`
+	// Pid is the daemon's process id (umount.fuse.engramfs waits for it).
+	Pid int `json:"pid"`
 }
 
 // Snapshot reads every counter once. Counters are read one by one, so a
@@ -102,8 +165,32 @@ func (c *Counters) Snapshot() Snapshot {
 		PrefetchStoreErrors:  c.PrefetchStoreErrors.Load(),
 		PrefetchLate:         c.PrefetchLate.Load(),
 
+		WarmPagesTotal: c.WarmPagesTotal.Load(),
+		WarmPagesDone:  c.WarmPagesDone.Load(),
+
+		Layers: c.layerSnapshots(),
+
 		Goroutines: runtime.NumGoroutine(),
+		Pid:        os.Getpid(),
 	}
+}
+
+// LayerSnapshot is the JSON form of LayerCounters.
+type LayerSnapshot struct {
+	Pushed    uint64 `json:"pushed"`
+	Refaulted uint64 `json:"refaulted"`
+	Dropped   uint64 `json:"dropped"`
+}
+
+func (c *Counters) layerSnapshots() map[int]LayerSnapshot {
+	if len(c.layers) == 0 {
+		return nil
+	}
+	out := make(map[int]LayerSnapshot, len(c.layers))
+	for l, lc := range c.layers {
+		out[l] = LayerSnapshot{Pushed: lc.Pushed.Load(), Refaulted: lc.Refaulted.Load(), Dropped: lc.Dropped.Load()}
+	}
+	return out
 }
 
 // JSON renders a snapshot as one indented JSON object and a newline.
