@@ -180,7 +180,15 @@ func (s *Store) ReadTable(t *Table, off int64, n int) ([]byte, error) {
 	if s.readHook != nil {
 		s.readHook()
 	}
-	buf, err := sf.read(abs, n, s.st)
+	var buf []byte
+	var err error
+	if tm := s.st.Timings; tm != nil {
+		start := time.Now()
+		buf, err = sf.read(abs, n, s.st)
+		tm.BackingRead(t.ID, time.Since(start))
+	} else {
+		buf, err = sf.read(abs, n, s.st)
+	}
 	<-s.slots
 	if err != nil {
 		s.st.BackingErrors.Add(1)

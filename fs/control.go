@@ -5,12 +5,14 @@ import (
 	"errors"
 	"sync"
 	"syscall"
+	"time"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/hints"
+	"github.com/engramfs/engramfs/internal/stats"
 	"github.com/engramfs/engramfs/prefetch"
 )
 
@@ -32,6 +34,10 @@ type controlHandle struct {
 	mu  sync.Mutex // serialises writes: the stream is ordered per handle
 	dec *hints.Decoder
 	b   *prefetch.Barrier
+	// layer names what the frames since the last fsync asked for, for the
+	// barrier-wait histogram's label: one layer, stats.BarrierSeveralLayers
+	// or stats.BarrierNoLayer. GUARDED_BY(mu)
+	layer int
 }
 
 var (
@@ -49,7 +55,7 @@ func (c *controlFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, 
 	if caller, ok := fuse.FromContext(ctx); ok && caller.Uid != c.r.o.uid {
 		return nil, 0, syscall.EACCES
 	}
-	return &controlHandle{dec: hints.NewDecoder(c.r.o.Model), b: prefetch.NewBarrier()}, fuse.FOPEN_DIRECT_IO, 0
+	return &controlHandle{dec: hints.NewDecoder(c.r.o.Model), b: prefetch.NewBarrier(), layer: stats.BarrierNoLayer}, fuse.FOPEN_DIRECT_IO, 0
 }
 
 // Setattr accepts the truncate of `echo ... > control` (there is nothing to
@@ -79,6 +85,13 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 	h.mu.Lock()
 	frames, err := h.dec.Write(data)
 	for _, f := range frames {
+		switch h.layer {
+		case stats.BarrierNoLayer:
+			h.layer = f.Layer
+		case f.Layer, stats.BarrierSeveralLayers:
+		default:
+			h.layer = stats.BarrierSeveralLayers
+		}
 		o.Stats.HintFrames.Add(1)
 		o.Stats.HintRows.Add(uint64(len(f.Rows)))
 		if o.Hints != nil {
@@ -104,7 +117,19 @@ func (c *controlFile) Fsync(ctx context.Context, fh gofs.FileHandle, flags uint3
 	if !ok {
 		return syscall.EBADF
 	}
-	switch err := h.b.Wait(ctx); {
+	var err error
+	if tm := c.r.o.Stats.Timings; tm != nil {
+		h.mu.Lock()
+		layer := h.layer
+		h.layer = stats.BarrierNoLayer
+		h.mu.Unlock()
+		start := time.Now()
+		err = h.b.Wait(ctx)
+		tm.BarrierWaited(layer, time.Since(start))
+	} else {
+		err = h.b.Wait(ctx)
+	}
+	switch {
 	case err == nil:
 		return 0
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):

@@ -3,6 +3,7 @@ package fs
 import (
 	"context"
 	"syscall"
+	"time"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -49,6 +50,17 @@ func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 // the kernel asks for exactly the faulting page, so a cold fault costs one
 // page of backing I/O.
 func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	tm := f.st.Timings
+	if tm == nil { // metrics off: no clock reads on the fault path
+		return f.read(dest, off)
+	}
+	start := time.Now()
+	res, errno := f.read(dest, off)
+	tm.FaultServed(f.t.ID, time.Since(start))
+	return res, errno
+}
+
+func (f *tableFile) read(dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	t := f.t
 	if off < 0 || off >= t.FileSize || len(dest) == 0 {
 		return fuse.ReadResultData(nil), 0
