@@ -9,6 +9,7 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"go.uber.org/zap"
 
@@ -84,7 +85,19 @@ type Prefetcher struct {
 	pushes   chan pushJob
 	workers  sync.WaitGroup
 	pushersW sync.WaitGroup
+
+	// Hint accuracy, by table ID.
+	layerOf []*stats.LayerCounters
+	hinted  []atomic.Pointer[pageBits]
 }
+
+// pageBits is one bit per file page of a table: the pages hints asked for
+// that no FUSE read has asked for since. A fault on a set bit is a hint that
+// did not save the fault (the page was evicted after its push, or the push
+// came late). A bitmap rather than a bounded set: exact, lock-free on the
+// fault path (one atomic AND), and small: allocated on a table's first hint,
+// 1 bit per 4 KiB page (3.2 MiB for a 100 GiB table).
+type pageBits struct{ words []atomic.Uint64 }
 
 // pageState is one queued or in-flight page and who waits for it.
 type pageState struct {
@@ -124,6 +137,13 @@ func New(cfg Config, model *backing.Model, loader PageLoader, pusher Pusher, hot
 	}
 	p.work = sync.NewCond(&p.mu)
 	p.room = sync.NewCond(&p.mu)
+	p.hinted = make([]atomic.Pointer[pageBits], len(model.Tables))
+	p.layerOf = make([]*stats.LayerCounters, len(model.Tables))
+	for i, t := range model.Tables {
+		if p.layerOf[i] = st.Layer(t.Layer); p.layerOf[i] == nil {
+			p.layerOf[i] = &stats.LayerCounters{} // not reported
+		}
+	}
 	for range cfg.Workers {
 		p.workers.Add(1)
 		go p.worker()
@@ -176,10 +196,47 @@ func (p *Prefetcher) submitTable(class hints.Class, t *backing.Table, rows []uin
 			p.hot.Admit(hits, signalOf(class))
 		}
 	}
+	p.enqueue(class, class == hints.Decode, t.ID, pages, b)
+}
+
+// SubmitPages queues pages as prefill work (best effort, behind every decode
+// hint; dropped oldest first when the prefill queue is full) that is offered
+// to the hot tier with sig once resident. Pages already pinned are skipped
+// and not waited for. It is how a warm restart fetches the saved hot set:
+// with cache.SignalDecode the pages are admitted as decode work would be,
+// so they end up pinned again.
+func (p *Prefetcher) SubmitPages(keys []cache.PageKey, sig cache.Signal, b *Barrier) {
+	byTable := map[uint32][]uint64{}
+	for _, k := range keys {
+		t := p.loaderTable(k.Table)
+		if t == nil || k.Page < t.DataPage() || k.Page >= t.Pages() {
+			continue
+		}
+		if p.hot != nil && p.hot.Pinned(k) {
+			continue
+		}
+		byTable[k.Table] = append(byTable[k.Table], k.Page)
+	}
+	for table, pages := range byTable {
+		slices.Sort(pages)
+		p.enqueue(hints.Prefill, sig == cache.SignalDecode, table, slices.Compact(pages), b)
+	}
+}
+
+func (p *Prefetcher) loaderTable(id uint32) *backing.Table {
+	if int(id) >= len(p.model.Tables) {
+		return nil
+	}
+	return p.model.Tables[id]
+}
+
+// enqueue queues sorted, unique pages of table on class's queue for b;
+// admitDecode: admit them to the hot tier as decode work once resident.
+func (p *Prefetcher) enqueue(class hints.Class, admitDecode bool, table uint32, pages []uint64, b *Barrier) {
 	if len(pages) == 0 {
 		return
 	}
-
+	p.markHinted(table, pages)
 	q := &p.prefill
 	if class == hints.Decode {
 		q = &p.decode
@@ -192,14 +249,14 @@ func (p *Prefetcher) submitTable(class hints.Class, t *backing.Table, rows []uin
 	// Only pages not already on their way need a task.
 	fresh := pages[:0]
 	for _, pg := range pages {
-		k := cache.PageKey{Table: t.ID, Page: pg}
+		k := cache.PageKey{Table: table, Page: pg}
 		ps := p.pages[k]
 		if ps == nil {
 			ps = &pageState{}
 			p.pages[k] = ps
 		}
 		ps.waiters = append(ps.waiters, b)
-		if class == hints.Decode {
+		if admitDecode {
 			ps.decode = true
 		}
 		// A page queued as prefill gets a decode task too, so it is not
@@ -214,7 +271,7 @@ func (p *Prefetcher) submitTable(class hints.Class, t *backing.Table, rows []uin
 	// wake-up per page costs more than the scheduling itself (measured: the
 	// per-task Signal halved the rows/s of BenchmarkPrefillFrame).
 	defer p.work.Broadcast()
-	for _, tk := range runs(t.ID, fresh) {
+	for _, tk := range runs(table, fresh) {
 		if class == hints.Decode {
 			for p.decode.pages+int(tk.n) > p.cfg.DecodeQueuePages && !p.closed {
 				p.work.Broadcast()
@@ -266,6 +323,8 @@ func (p *Prefetcher) dropOldestPrefill() {
 		}
 		delete(p.pages, k)
 		p.st.PrefetchPagesDropped.Add(1)
+		p.layerOf[k.Table].Dropped.Add(1)
+		p.clearHinted(k) // never pushed: a later fault is not the hint's miss
 		for _, w := range ps.waiters {
 			w.done(nil)
 		}
@@ -356,6 +415,7 @@ func (p *Prefetcher) pushLoop() {
 		switch {
 		case err == nil:
 			p.st.PrefetchPagesStored.Add(n)
+			p.layerOf[job.table].Pushed.Add(n)
 		case errors.Is(err, ErrNotLookedUp):
 			p.st.PrefetchStoreErrors.Add(n)
 			err = nil
@@ -388,9 +448,10 @@ func (p *Prefetcher) settle(table uint32, first, n uint64, err error) {
 		}
 	}
 	p.mu.Unlock()
-	for _, w := range waiters {
-		w.done(err)
-	}
+	// Admit before releasing the waiters: once a barrier returns, the tier
+	// has heard of its pages (a warm restart flushes the tier's pin queue
+	// right after its barrier and counts what is pinned). Admit only
+	// queues work, it never waits.
 	if p.hot != nil && err == nil {
 		if len(decodeKeys) > 0 {
 			p.hot.Admit(decodeKeys, cache.SignalDecode)
@@ -398,6 +459,9 @@ func (p *Prefetcher) settle(table uint32, first, n uint64, err error) {
 		if len(prefillKeys) > 0 {
 			p.hot.Admit(prefillKeys, cache.SignalPrefill)
 		}
+	}
+	for _, w := range waiters {
+		w.done(err)
 	}
 }
 
@@ -408,6 +472,52 @@ func (p *Prefetcher) Queued(k cache.PageKey) bool {
 	defer p.mu.Unlock()
 	ps := p.pages[k]
 	return ps != nil && !ps.inflight
+}
+
+// Refaulted tells the hint accounting that FUSE reads asked for keys: each
+// page a hint asked for since its last fault counts once as refaulted in its
+// layer. Lock-free; safe in a FUSE Read handler.
+func (p *Prefetcher) Refaulted(keys []cache.PageKey) {
+	for _, k := range keys {
+		if p.clearHinted(k) {
+			p.layerOf[k.Table].Refaulted.Add(1)
+		}
+	}
+}
+
+// markHinted sets the bits of pages of table, allocating the table's bitmap
+// on its first hint.
+func (p *Prefetcher) markHinted(table uint32, pages []uint64) {
+	if int(table) >= len(p.hinted) {
+		return
+	}
+	bits := p.hinted[table].Load()
+	if bits == nil {
+		fresh := &pageBits{words: make([]atomic.Uint64, (p.model.Tables[table].Pages()+63)/64)}
+		if !p.hinted[table].CompareAndSwap(nil, fresh) {
+			bits = p.hinted[table].Load()
+		} else {
+			bits = fresh
+		}
+	}
+	for _, pg := range pages {
+		if w := pg / 64; w < uint64(len(bits.words)) {
+			bits.words[w].Or(1 << (pg % 64))
+		}
+	}
+}
+
+// clearHinted clears k's bit and reports whether it was set.
+func (p *Prefetcher) clearHinted(k cache.PageKey) bool {
+	if int(k.Table) >= len(p.hinted) {
+		return false
+	}
+	bits := p.hinted[k.Table].Load()
+	if bits == nil || k.Page/64 >= uint64(len(bits.words)) {
+		return false
+	}
+	mask := uint64(1) << (k.Page % 64)
+	return bits.words[k.Page/64].And(^mask)&mask != 0
 }
 
 // Close stops the workers and pushers. Queued work is dropped and its
