@@ -1,0 +1,86 @@
+package metrics
+
+// Every metric engramfs exports, in one place: name, help and kind. The
+// counters mirror `.engramfs/stats` field for field (the JSON name is the
+// key, so a field added to stats.Snapshot without a metric fails
+// TestEveryStatHasAMetric). Counters end in _total, as Prometheus wants.
+
+const namespace = "engramfs"
+
+// Labels. Cardinality stays bounded by the model: one value per engram layer
+// (plus "several" and "none" for barriers).
+const (
+	labelLayer = "layer"
+
+	barrierSeveralLayers = "several" // an fsync whose frames named more than one layer
+	barrierNoLayer       = "none"    // an fsync with no frame since the previous one
+)
+
+// kind is how a stats field is exported.
+type kind uint8
+
+const (
+	counter kind = iota // monotonic
+	gauge               // a level
+)
+
+type statMetric struct {
+	name string // without the namespace
+	kind kind
+	help string
+}
+
+// statMetrics maps a JSON field of stats.Snapshot to its metric.
+var statMetrics = map[string]statMetric{
+	"fuse_reads":      {"fuse_reads_total", counter, "READ requests on table files that reached FUSE (page faults and read(2) misses)."},
+	"fuse_read_bytes": {"fuse_read_bytes_total", counter, "Bytes returned by READ requests on table files."},
+
+	"backing_reads":  {"backing_reads_total", counter, "Reads of shard files (one per coalesced run of adjacent pages)."},
+	"backing_bytes":  {"backing_bytes_total", counter, "Bytes read from shard files, O_DIRECT alignment included."},
+	"backing_errors": {"backing_errors_total", counter, "Shard reads that failed (I/O error, short read, shard changed since mount)."},
+
+	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the pinned hot tier after clamping to vm.max_map_count and RLIMIT_MEMLOCK."},
+	"cache_used_bytes":     {"cache_used_bytes", gauge, "Bytes of table pages locked in the page cache now."},
+	"cache_hits":           {"cache_hits_total", counter, "Hinted or faulted pages found in the hot tier."},
+	"cache_misses":         {"cache_misses_total", counter, "Hinted or faulted pages not in the hot tier."},
+	"cache_evictions":      {"cache_evictions_total", counter, "Pages unpinned to keep the hot tier within its budget."},
+	"cache_pinned":         {"cache_pinned", gauge, "1 when the hot tier can mlock pages, 0 when it runs unpinned."},
+
+	"hint_frames":   {"hint_frames_total", counter, "Hint frames accepted on the control file."},
+	"hint_rows":     {"hint_rows_total", counter, "Rows named by accepted hint frames."},
+	"hint_rejected": {"hint_rejected_total", counter, "Hint frames refused with EINVAL."},
+
+	"prefetch_pages_queued":  {"prefetch_pages_queued_total", counter, "Pages queued for prefetch by hints and warm restart."},
+	"prefetch_pages_stored":  {"prefetch_pages_stored_total", counter, "Pages pushed into the page cache (NOTIFY_STORE)."},
+	"prefetch_pages_dropped": {"prefetch_pages_dropped_total", counter, "Prefill pages dropped because the prefill queue was full."},
+	"prefetch_store_errors":  {"prefetch_store_errors_total", counter, "Page cache stores that failed (ENOENT included: no reader had looked the file up yet)."},
+	"prefetch_late":          {"prefetch_late_total", counter, "FUSE reads of a page whose prefetch was still queued or in flight."},
+
+	"warm_pages_total": {"warm_pages", gauge, "Pages of the saved hot set that the warm restart fetches again."},
+	"warm_pages_done":  {"warm_pages_done", gauge, "Pages of the warm restart settled so far (resident, failed or dropped)."},
+
+	"goroutines": {"goroutines", gauge, "Goroutines of the daemon."},
+}
+
+// notExported are stats fields with no metric of their own, and why.
+var notExported = map[string]string{
+	"pid":    "an identity, not a measurement (process_* metrics come from the process collector)",
+	"layers": "exported by layer as hint_pages_*_total{layer}",
+}
+
+// Per-layer hint accuracy (the "layers" object of the stats), labelled by layer.
+var layerMetrics = struct{ pushed, refaulted, dropped statMetric }{
+	pushed:    statMetric{"hint_pages_pushed_total", counter, "Hinted pages pushed into the page cache, by layer."},
+	refaulted: statMetric{"hint_pages_refaulted_total", counter, "Hinted pages a FUSE read asked for anyway (evicted after the push, or pushed late), by layer."},
+	dropped:   statMetric{"hint_pages_dropped_total", counter, "Hinted prefill pages dropped from a full queue, by layer."},
+}
+
+// Histograms (seconds).
+const (
+	faultSecondsName   = "fault_seconds"
+	faultSecondsHelp   = "Service time of READ requests on table files (the FUSE side of a page fault), by layer."
+	backingSecondsName = "backing_read_seconds"
+	backingSecondsHelp = "Time of one shard read (a coalesced run), with its queue slot held."
+	barrierSecondsName = "barrier_wait_seconds"
+	barrierSecondsHelp = "Time fsync on the control file waited for its hinted pages, by the layer its frames named."
+)
