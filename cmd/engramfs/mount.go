@@ -1,6 +1,8 @@
 package main
 
 import (
+	"errors"
+	"fmt"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -17,7 +19,10 @@ import (
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/fs"
+	"github.com/engramfs/engramfs/internal/metrics"
+	"github.com/engramfs/engramfs/internal/sdnotify"
 	"github.com/engramfs/engramfs/internal/stats"
+	"github.com/engramfs/engramfs/internal/warm"
 	"github.com/engramfs/engramfs/prefetch"
 )
 
@@ -29,6 +34,8 @@ type mountFlags struct {
 	prefillQueue int
 	cacheSize    string
 	injectFaults string
+	metricsAddr  string
+	stateFile    string
 	allowOther   bool
 	debugFUSE    bool
 	logFlags
@@ -51,6 +58,10 @@ func (f *mountFlags) register(fl interface {
 	fl.BoolVar(&f.allowOther, "allow-other", false,
 		"let users other than the daemon's read the mount (the control file stays owner-only)")
 	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
+	fl.StringVar(&f.metricsAddr, "metrics-addr", "",
+		"serve Prometheus metrics on this host:port at /metrics, e.g. 127.0.0.1:9464 (off when empty)")
+	fl.StringVar(&f.stateFile, "state-file", "",
+		"warm restart: save the hot tier's page keys here on a clean stop, and fetch and pin them again on mount (off when empty)")
 	fl.StringVar(&f.injectFaults, "inject-faults", "",
 		"TESTING ONLY: inject backing faults, e.g. eio=0.01,short=0.01,latency=2ms,seed=7 (see README)")
 }
@@ -87,28 +98,32 @@ files. Must run as root (or with the right to mount FUSE directly).`)
 		return err
 	}
 	defer log.Sync() //nolint:errcheck
+	sig := make(chan os.Signal, 2)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 	d, err := startDaemon(fl.Arg(0), fl.Arg(1), mf, log)
 	if err != nil {
 		return err
 	}
-
-	sig := make(chan os.Signal, 2)
-	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	d.notify("READY=1\nSTATUS=" + d.status())
+	d.startWarmUp()
 	gone := make(chan struct{})
 	go func() { d.srv.Wait(); close(gone) }()
 	detached := watchMountpoint(fl.Arg(1))
 	select {
 	case s := <-sig:
 		log.Info("unmounting", zap.String("signal", s.String()))
+		d.notify("STOPPING=1\nSTATUS=unmounting (" + s.String() + ")")
 		return d.stop(true)
 	case <-gone:
 		log.Info("unmounted from outside", zap.String("mountpoint", d.srv.Mountpoint()))
+		d.notify("STOPPING=1\nSTATUS=unmounted from outside")
 		return d.stop(false)
 	case <-detached:
 		// A lazy unmount from outside (engramfs unmount on a busy mount)
 		// hides the mount but keeps the connection alive while anything maps
 		// a file, the daemon's own pinned mappings included: let go of them.
 		log.Info("mount detached from outside", zap.String("mountpoint", d.srv.Mountpoint()))
+		d.notify("STOPPING=1\nSTATUS=detached from outside")
 		return d.stop(false)
 	}
 }
@@ -137,11 +152,19 @@ func watchMountpoint(mountpoint string) <-chan struct{} {
 
 // daemon is a running mount and everything it owns.
 type daemon struct {
-	srv   *fs.Server
-	store *backing.Store
-	pf    *prefetch.Prefetcher
-	hot   *cache.HotCache
-	log   *zap.Logger
+	srv     *fs.Server
+	store   *backing.Store
+	pf      *prefetch.Prefetcher
+	hot     *cache.HotCache
+	st      *stats.Counters
+	model   *backing.Model
+	metrics *metrics.Server // nil: --metrics-addr off
+	log     *zap.Logger
+
+	prefillQueue int             // --prefetch-queue
+	stateFile    string          // "": no warm restart
+	warmKeys     []cache.PageKey // the saved hot set to fetch again
+	warm         *warm.Warmer    // nil: no warm-up started
 }
 
 func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*daemon, error) {
@@ -157,8 +180,29 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		return nil, err
 	}
 	st := &stats.Counters{}
+	st.SetLayers(model.Layers)
+	var reg *metrics.Server
+	if mf.metricsAddr != "" {
+		// The histograms' hook goes in before anything shares st.
+		timings := metrics.NewTimings(model)
+		st.Timings = timings
+		r, err := metrics.Registry(st, timings)
+		if err != nil {
+			return nil, err
+		}
+		if reg, err = metrics.Serve(mf.metricsAddr, r, log); err != nil {
+			return nil, usageError{fmt.Errorf("--metrics-addr %q: %w", mf.metricsAddr, err)}
+		}
+		log.Info("serving metrics", zap.String("addr", "http://"+reg.Addr()+"/metrics"))
+	}
+	closeMetrics := func() {
+		if reg != nil {
+			_ = reg.Close()
+		}
+	}
 	store, err := backing.Open(model, mode, mf.queueDepth, st)
 	if err != nil {
+		closeMetrics()
 		return nil, err
 	}
 	var src backing.Reader = store
@@ -166,6 +210,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		spec, err := backing.ParseFaultSpec(mf.injectFaults)
 		if err != nil {
 			store.Close()
+			closeMetrics()
 			return nil, usageError{err}
 		}
 		src = backing.NewFaultReader(store, spec, st)
@@ -175,6 +220,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 	hot, err := newHotCache(model, mountpoint, mf.cacheSize, st, log)
 	if err != nil {
 		store.Close()
+		closeMetrics()
 		return nil, err
 	}
 	// The prefetcher needs the mount to push into, and the mount needs the
@@ -192,9 +238,23 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		pf.Close()
 		hot.Close()
 		store.Close()
+		closeMetrics()
 		return nil, err
 	}
 	pusher.bind(srv)
+	d := &daemon{srv: srv, store: store, pf: pf, hot: hot, st: st, model: model, metrics: reg, log: log,
+		prefillQueue: mf.prefillQueue, stateFile: mf.stateFile}
+	// Ready means a reader can use the tree: check it answers, through the
+	// kernel, before saying so (to the log, the service manager and the
+	// mount helper).
+	if _, err := os.ReadFile(filepath.Join(mountpoint, fs.ManifestFile)); err != nil {
+		d.log.Error("the new mount does not answer", zap.Error(err))
+		_ = d.stop(true)
+		return nil, fmt.Errorf("mount %s: the new mount does not answer: %w", mountpoint, err)
+	}
+	if mf.stateFile != "" {
+		d.warmKeys = loadWarmState(mf.stateFile, model, tierPages(st), log)
+	}
 	direct := 0
 	for _, sh := range model.Shards {
 		if store.Direct(sh) {
@@ -206,16 +266,108 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		zap.Int("tables", len(model.Tables)), zap.Int("layers", len(model.Layers)),
 		zap.Int("shards", len(model.Shards)), zap.Int("shards_direct_io", direct),
 		zap.Int("queue_depth", mf.queueDepth),
-		zap.Int64("cache_bytes", st.CacheCapacityBytes.Load()), zap.Bool("cache_pinned", st.CachePinned.Load()))
-	return &daemon{srv: srv, store: store, pf: pf, hot: hot, log: log}, nil
+		zap.Int64("cache_bytes", st.CacheCapacityBytes.Load()), zap.Bool("cache_pinned", st.CachePinned.Load()),
+		zap.Int("pid", os.Getpid()))
+	return d, nil
+}
+
+// status is the one-line state for the service manager.
+func (d *daemon) status() string {
+	s := fmt.Sprintf("serving %d tables of %d layers from %s", len(d.model.Tables), len(d.model.Layers), d.model.Dir)
+	if len(d.warmKeys) > 0 {
+		s += fmt.Sprintf("; warming %d pages", len(d.warmKeys))
+	}
+	return s
+}
+
+// notify tells the service manager (or the mount helper) about the daemon's
+// state, when one listens ($NOTIFY_SOCKET).
+func (d *daemon) notify(state string) {
+	if err := sdnotify.Notify(state); err != nil {
+		d.log.Warn("sd_notify failed", zap.Error(err))
+	}
+}
+
+// startWarmUp fetches and pins the saved hot set in the background.
+func (d *daemon) startWarmUp() {
+	if len(d.warmKeys) == 0 {
+		return
+	}
+	files := make([]string, len(d.model.Tables))
+	for i := range d.model.Tables {
+		files[i] = d.srv.TablePath(uint32(i))
+	}
+	d.warm = warm.Start(warm.Config{
+		Keys: d.warmKeys, TableFiles: files, Prefetch: d.pf, Hot: d.hot, Stats: d.st, Log: d.log,
+		BatchPages: min(warm.DefaultBatchPages, d.prefillQueue/2),
+		Done: func(r warm.Result) {
+			d.notify(fmt.Sprintf("STATUS=%s; warm: %d of %d saved pages pinned in %.1fs",
+				d.status(), r.Pinned, r.Pages, r.Duration.Seconds()))
+		},
+	})
+	d.log.Info("warm restart: fetching the saved hot set", zap.Int("pages", len(d.warmKeys)))
+}
+
+// loadWarmState reads the saved hot set, at most what the tier holds. Every
+// reason to ignore the file is logged; none stops the mount.
+func loadWarmState(path string, m *backing.Model, capacity int, log *zap.Logger) []cache.PageKey {
+	keys, hdr, err := warm.Load(path, m, capacity)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		log.Info("warm restart: no state file yet; starting cold", zap.String("state_file", path))
+		return nil
+	case errors.Is(err, warm.ErrOtherModel):
+		log.Warn("warm restart: ignoring the state file: it was saved for another model", zap.Error(err))
+		return nil
+	case err != nil:
+		log.Warn("warm restart: ignoring an unreadable state file", zap.Error(err))
+		return nil
+	}
+	log.Info("warm restart: state file loaded", zap.String("state_file", path), zap.Int("pages_saved", hdr.Pages),
+		zap.Int("pages_to_fetch", len(keys)), zap.Time("saved", hdr.Saved))
+	return keys
+}
+
+// tierPages is the hot tier's capacity in pages, after clamping.
+func tierPages(st *stats.Counters) int { return int(st.CacheCapacityBytes.Load() / cache.PageSize) }
+
+// saveWarmState saves the hot set: the tier's pages, then those a warm-up
+// still in progress had not settled (they were hot before this run too).
+func (d *daemon) saveWarmState() {
+	keys := d.hot.Keys()
+	if d.warm != nil {
+		seen := make(map[cache.PageKey]struct{}, len(keys))
+		for _, k := range keys {
+			seen[k] = struct{}{}
+		}
+		for _, k := range d.warm.Pending() {
+			if _, ok := seen[k]; !ok && len(keys) < tierPages(d.st) {
+				keys = append(keys, k)
+			}
+		}
+	}
+	start := time.Now()
+	if err := warm.Save(d.stateFile, d.model, keys); err != nil {
+		d.log.Error("warm restart: saving the hot set failed; the next mount starts cold", zap.Error(err))
+		return
+	}
+	d.log.Info("warm restart: hot set saved", zap.String("state_file", d.stateFile), zap.Int("pages", len(keys)),
+		zap.Duration("took", time.Since(start)))
 }
 
 // stop unmounts (unless the mount is already gone) and releases
 // everything, in the order the kernel needs.
 func (d *daemon) stop(unmount bool) error {
 	// Stop pushing, then unlock and unmap the daemon's own mappings of the
-	// table files: while they exist the mount is busy.
+	// table files: while they exist the mount is busy. The hot set is saved
+	// in between: no hint adds to it any more, and it is still there.
+	if d.warm != nil {
+		d.warm.Stop()
+	}
 	d.pf.Close()
+	if d.stateFile != "" {
+		d.saveWarmState()
+	}
 	if err := d.hot.Close(); err != nil {
 		d.log.Warn("closing the hot tier", zap.Error(err))
 	}
@@ -225,6 +377,9 @@ func (d *daemon) stop(unmount bool) error {
 	}
 	if cerr := d.store.Close(); cerr != nil {
 		d.log.Warn("closing shards", zap.Error(cerr))
+	}
+	if d.metrics != nil {
+		_ = d.metrics.Close()
 	}
 	if err != nil {
 		return err
@@ -267,6 +422,7 @@ func (f faultFanout) Faulted(keys []cache.PageKey) {
 			f.st.PrefetchLate.Add(1)
 		}
 	}
+	f.pf.Refaulted(keys)
 	f.hot.Admit(keys, cache.SignalFault)
 }
 

@@ -1,0 +1,303 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	units "github.com/docker/go-units"
+
+	"github.com/engramfs/engramfs/fs"
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+func init() {
+	register("stats", "show a mount's counters (once, as JSON, or refreshing with rates)", runStats)
+}
+
+// defaultWatchInterval is --watch without a value.
+const defaultWatchInterval = time.Second
+
+// watchFlag is --watch, --watch=2s, or --watch 2s (the value taken from the
+// positional arguments).
+type watchFlag struct {
+	on       bool
+	interval time.Duration
+}
+
+func (w *watchFlag) IsBoolFlag() bool { return true }
+
+func (w *watchFlag) String() string {
+	if w == nil || !w.on {
+		return ""
+	}
+	return w.interval.String()
+}
+
+func (w *watchFlag) Set(s string) error {
+	switch s {
+	case "true":
+		w.on, w.interval = true, defaultWatchInterval
+		return nil
+	case "false":
+		w.on = false
+		return nil
+	}
+	d, err := parseInterval(s)
+	if err != nil {
+		return err
+	}
+	w.on, w.interval = true, d
+	return nil
+}
+
+// parseInterval takes a Go duration (500ms, 2s) or seconds (2, 0.5).
+func parseInterval(s string) (time.Duration, error) {
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		f, ferr := strconv.ParseFloat(s, 64)
+		if ferr != nil {
+			return 0, fmt.Errorf("interval %q: want a duration such as 2s or 500ms, or seconds", s)
+		}
+		d = time.Duration(f * float64(time.Second))
+	}
+	if d < 10*time.Millisecond {
+		return 0, fmt.Errorf("interval %q: want at least 10ms", s)
+	}
+	return d, nil
+}
+
+func runStats(args []string) error {
+	fl := newFlagSet("stats", "[--json] [--watch [INTERVAL]] [--count N] MOUNT", `
+Shows the counters of the engramfs mount at MOUNT (its .engramfs/stats) as a
+table: page faults, backing reads, the hot tier, hints and prefetch, the warm
+restart, and hint accuracy per layer. --json prints the stats file as it is.
+--watch refreshes the table in place every INTERVAL (default 1s; 500ms, 2s or
+a number of seconds) and adds rates over the last interval: faults/s, hot-tier
+hit ratio, backing MB/s, prefetched pages/s and hinted rows/s, late
+prefetches/s. Ctrl-C stops it.`)
+	asJSON := fl.Bool("json", false, "print the raw JSON of .engramfs/stats")
+	var watch watchFlag
+	fl.Var(&watch, "watch", "refresh every `INTERVAL` (default 1s) and show rates")
+	count := fl.Int("count", 0, "with --watch: stop after N refreshes (0: until interrupted)")
+	pos, err := parseInterspersed(fl, args)
+	if err != nil {
+		return err
+	}
+	if watch.on && len(pos) == 2 {
+		// --watch 2s MOUNT or MOUNT --watch 2s: the interval is the one
+		// that parses as one and is not a directory.
+		for i, p := range pos {
+			if d, err := parseInterval(p); err == nil {
+				if fi, serr := os.Stat(p); serr != nil || !fi.IsDir() {
+					watch.interval = d
+					pos = slices.Delete(pos, i, i+1)
+					break
+				}
+			}
+		}
+	}
+	if len(pos) != 1 {
+		return usagef("want MOUNT, got %d arguments", len(pos))
+	}
+	if *asJSON && watch.on {
+		return usagef("--json and --watch do not mix (for a time series, scrape --metrics-addr)")
+	}
+	mount := pos[0]
+	if *asJSON {
+		b, err := readStatsFile(mount)
+		if err != nil {
+			return err
+		}
+		_, err = os.Stdout.Write(b)
+		return err
+	}
+	if !watch.on {
+		s, err := readStats(mount)
+		if err != nil {
+			return err
+		}
+		renderStats(os.Stdout, mount, s, nil, 0)
+		return nil
+	}
+	return watchStats(os.Stdout, mount, watch.interval, *count, isTerminal(os.Stdout))
+}
+
+func readStatsFile(mount string) ([]byte, error) {
+	b, err := os.ReadFile(filepath.Join(mount, fs.ControlDir, fs.StatsFile))
+	if err != nil {
+		return nil, fmt.Errorf("%s: not an engramfs mount? %w", mount, err)
+	}
+	return b, nil
+}
+
+func readStats(mount string) (stats.Snapshot, error) {
+	var s stats.Snapshot
+	b, err := readStatsFile(mount)
+	if err != nil {
+		return s, err
+	}
+	if err := json.Unmarshal(b, &s); err != nil {
+		return s, fmt.Errorf("%s: stats are not JSON: %w", mount, err)
+	}
+	return s, nil
+}
+
+// watchStats redraws the table every interval: in place on a terminal (ANSI
+// home and clear), as successive tables elsewhere (a log keeps them all).
+func watchStats(w io.Writer, mount string, interval time.Duration, count int, tty bool) error {
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sig)
+	var prev *stats.Snapshot
+	var prevAt time.Time
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for n := 0; count == 0 || n < count; n++ {
+		if n > 0 {
+			select {
+			case <-sig:
+				return nil
+			case <-tick.C:
+			}
+		}
+		s, err := readStats(mount)
+		if err != nil {
+			return err
+		}
+		now := time.Now()
+		if tty {
+			fmt.Fprint(w, "\x1b[H\x1b[2J")
+		} else if n > 0 {
+			fmt.Fprintln(w)
+		}
+		renderStats(w, mount, s, prev, now.Sub(prevAt))
+		prev, prevAt = &s, now
+	}
+	return nil
+}
+
+// rates are the watch line: what changed over the last interval.
+type rates struct {
+	faults, backingMBps, pagesPushed, rowsHinted, late float64
+	hitRatio                                           float64 // -1: no lookups
+}
+
+func computeRates(cur, prev stats.Snapshot, dt time.Duration) rates {
+	sec := dt.Seconds()
+	if sec <= 0 {
+		sec = 1
+	}
+	per := func(a, b uint64) float64 {
+		if a < b { // a restarted daemon: counters went back to zero
+			return 0
+		}
+		return float64(a-b) / sec
+	}
+	r := rates{
+		faults:      per(cur.FuseReads, prev.FuseReads),
+		backingMBps: per(cur.BackingBytes, prev.BackingBytes) / 1e6,
+		pagesPushed: per(cur.PrefetchPagesStored, prev.PrefetchPagesStored),
+		rowsHinted:  per(cur.HintRows, prev.HintRows),
+		late:        per(cur.PrefetchLate, prev.PrefetchLate),
+		hitRatio:    -1,
+	}
+	if cur.CacheHits >= prev.CacheHits && cur.CacheMisses >= prev.CacheMisses {
+		if h, m := cur.CacheHits-prev.CacheHits, cur.CacheMisses-prev.CacheMisses; h+m > 0 {
+			r.hitRatio = float64(h) / float64(h+m)
+		}
+	}
+	return r
+}
+
+func percent(num, den uint64) string {
+	if den == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f%%", 100*float64(num)/float64(den))
+}
+
+func bytesStr(n uint64) string { return units.BytesSize(float64(n)) }
+
+// renderStats writes the table. With prev, a line of rates over dt leads.
+func renderStats(w io.Writer, mount string, s stats.Snapshot, prev *stats.Snapshot, dt time.Duration) {
+	fmt.Fprintf(w, "engramfs %s   %s\n", mount, time.Now().Format("2006-01-02 15:04:05"))
+	if prev != nil {
+		r := computeRates(s, *prev, dt)
+		hit := "-"
+		if r.hitRatio >= 0 {
+			hit = fmt.Sprintf("%.1f%%", 100*r.hitRatio)
+		}
+		fmt.Fprintf(w, "over %.1fs: %.0f faults/s · hit ratio %s · backing %.1f MB/s · prefetched %.0f pages/s (%.0f rows/s hinted) · %.0f late prefetches/s\n",
+			dt.Seconds(), r.faults, hit, r.backingMBps, r.pagesPushed, r.rowsHinted, r.late)
+	}
+	// One tabwriter for every section, so the columns line up across them;
+	// trailing padding is trimmed.
+	var buf bytes.Buffer
+	tw := tabwriter.NewWriter(&buf, 0, 0, 2, ' ', 0)
+	section := func(title string) { fmt.Fprintf(tw, "\t\t\n%s\t\t\n", title) }
+	row := func(name string, value any, meaning string) {
+		fmt.Fprintf(tw, "  %s\t%v\t%s\n", name, value, meaning)
+	}
+	section("Page faults")
+	row("fuse_reads", s.FuseReads, "READs of table files that reached FUSE (faults, read(2) misses)")
+	row("fuse_read_bytes", bytesStr(s.FuseReadBytes), "bytes those READs returned")
+	section("Backing store")
+	row("backing_reads", s.BackingReads, "shard reads (one per coalesced run)")
+	row("backing_bytes", bytesStr(s.BackingBytes), "bytes read from shards (O_DIRECT alignment included)")
+	row("backing_errors", s.BackingErrors, "shard reads that failed")
+	section("Hot tier")
+	row("cache_capacity_bytes", bytesStr(uint64(max(s.CacheCapacityBytes, 0))), "budget of pinned pages")
+	row("cache_used_bytes", fmt.Sprintf("%s (%s)", bytesStr(uint64(max(s.CacheUsedBytes, 0))),
+		percent(uint64(max(s.CacheUsedBytes, 0)), uint64(max(s.CacheCapacityBytes, 0)))), "pinned now")
+	row("cache_hits", s.CacheHits, "hinted or faulted pages found in the tier")
+	row("cache_misses", s.CacheMisses, fmt.Sprintf("... not found (hit ratio %s)", percent(s.CacheHits, s.CacheHits+s.CacheMisses)))
+	row("cache_evictions", s.CacheEvictions, "pages unpinned to stay within budget")
+	row("cache_pinned", s.CachePinned, "false: mlock unavailable, the tier runs unpinned")
+	section("Hints")
+	row("hint_frames", s.HintFrames, "frames accepted")
+	row("hint_rows", s.HintRows, "rows named by them")
+	row("hint_rejected", s.HintRejected, "frames refused (EINVAL)")
+	section("Prefetch")
+	row("prefetch_pages_queued", s.PrefetchPagesQueued, "pages queued by hints and warm restart")
+	row("prefetch_pages_stored", s.PrefetchPagesStored, "pages pushed into the page cache")
+	row("prefetch_pages_dropped", s.PrefetchPagesDropped, "prefill pages dropped from a full queue")
+	row("prefetch_store_errors", s.PrefetchStoreErrors, "pushes that failed (ENOENT: file not opened yet)")
+	row("prefetch_late", s.PrefetchLate, "faults on a page still queued or in flight")
+	section("Warm restart")
+	row("warm_pages_done", fmt.Sprintf("%d of %d", s.WarmPagesDone, s.WarmPagesTotal), "saved hot pages fetched again (warm_pages_total)")
+	row("goroutines", s.Goroutines, "daemon goroutines")
+	tw.Flush()
+
+	if len(s.Layers) > 0 {
+		fmt.Fprintln(&buf, "\nHint accuracy by layer (layers.<L>): pages pushed, pages FUSE read anyway (refaulted), prefill pages dropped")
+		tw = tabwriter.NewWriter(&buf, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "  layer\tpushed\trefaulted\tdropped\t")
+		layers := make([]int, 0, len(s.Layers))
+		for l := range s.Layers {
+			layers = append(layers, l)
+		}
+		slices.Sort(layers)
+		for _, l := range layers {
+			ls := s.Layers[l]
+			fmt.Fprintf(tw, "  %d\t%d\t%d\t%d\t\n", l, ls.Pushed, ls.Refaulted, ls.Dropped)
+		}
+		tw.Flush()
+	}
+	for _, line := range strings.SplitAfter(buf.String(), "\n") {
+		io.WriteString(w, strings.TrimRight(line, " \n"))
+		if strings.HasSuffix(line, "\n") {
+			io.WriteString(w, "\n")
+		}
+	}
+}
