@@ -237,6 +237,24 @@ func (p *Prefetcher) enqueue(class hints.Class, admitDecode bool, table uint32, 
 		return
 	}
 	p.markHinted(table, pages)
+	// A prefill chunk names tens of thousands of pages; take the lock a slice
+	// at a time, so that a fault (Queued) or an idle worker never waits
+	// behind a whole frame's bookkeeping.
+	for len(pages) > 0 {
+		n := min(len(pages), enqueueSlice)
+		if !p.enqueueLocked(class, admitDecode, table, pages[:n], b) {
+			return
+		}
+		pages = pages[n:]
+	}
+}
+
+// enqueueSlice is how many pages enqueue handles per hold of p.mu.
+const enqueueSlice = 1024
+
+// enqueueLocked is enqueue for one slice of pages, under p.mu; false once
+// the prefetcher is closed.
+func (p *Prefetcher) enqueueLocked(class hints.Class, admitDecode bool, table uint32, pages []uint64, b *Barrier) bool {
 	q := &p.prefill
 	if class == hints.Decode {
 		q = &p.decode
@@ -244,7 +262,7 @@ func (p *Prefetcher) enqueue(class hints.Class, admitDecode bool, table uint32, 
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
-		return
+		return false
 	}
 	// Only pages not already on their way need a task.
 	fresh := pages[:0]
@@ -267,7 +285,7 @@ func (p *Prefetcher) enqueue(class hints.Class, admitDecode bool, table uint32, 
 		}
 	}
 	b.add(len(pages))
-	// Wake the workers once per frame, not once per task: on two cores a
+	// Wake the workers once per slice, not once per task: on two cores a
 	// wake-up per page costs more than the scheduling itself (measured: the
 	// per-task Signal halved the rows/s of BenchmarkPrefillFrame).
 	defer p.work.Broadcast()
@@ -285,6 +303,7 @@ func (p *Prefetcher) enqueue(class hints.Class, admitDecode bool, table uint32, 
 		q.push(tk)
 		p.st.PrefetchPagesQueued.Add(tk.n)
 	}
+	return true
 }
 
 // runs groups sorted pages into tasks of adjacent pages.
