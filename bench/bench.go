@@ -31,11 +31,11 @@ import (
 // the daemon mounts FUSE directly, which needs root and /dev/fuse.
 func FUSEAvailable() error {
 	if os.Geteuid() != 0 {
-		return errors.New("engramfs mounts FUSE directly (no fusermount), which needs root")
+		return errors.New("not running as root (engramfs mounts FUSE directly, without fusermount)")
 	}
 	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
 	if err != nil {
-		return fmt.Errorf("engramfs needs /dev/fuse: %w", err)
+		return fmt.Errorf("cannot open /dev/fuse: %w", err)
 	}
 	f.Close()
 	return nil
@@ -61,7 +61,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		},
 	}
 	defer func() { rep.Elapsed = time.Since(start) }()
-	rep.Machine.Load = []string{"start: " + loadNow()}
+	rep.Machine.Load = []string{"before the run: " + loadNow()}
+	busy0, total0, cpuErr := machineCPU()
+	own0 := ownCPU()
 	note := func(format string, a ...any) {
 		n := fmt.Sprintf(format, a...)
 		rep.Notes = append(rep.Notes, n)
@@ -161,7 +163,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := measureDisk("end"); err != nil {
 		return rep, err
 	}
-	rep.Machine.Load = append(rep.Machine.Load, "end: "+loadNow())
+	if busy1, total1, err := machineCPU(); err == nil && cpuErr == nil && total1 > total0 {
+		rep.Machine.Load = append(rep.Machine.Load, fmt.Sprintf("during the run: CPUs %.0f%% busy (%.0f of %.0f CPU-s), of which this bench and its daemons %.0f CPU-s",
+			100*(busy1-busy0).Seconds()/(total1-total0).Seconds(), (busy1-busy0).Seconds(), (total1-total0).Seconds(), (ownCPU()-own0).Seconds()))
+	}
 	rep.finish(cfg.QueueDepth)
 	return rep, nil
 }
@@ -184,7 +189,7 @@ func loadNow() string {
 			s += fmt.Sprintf(", %s pressure %s", res, strings.TrimPrefix(f[1], "avg10="))
 		}
 	}
-	return s + " (pressure: % of the last 10 s that some task waited)"
+	return s + " (pressure: % of the last 10 s some task waited for it)"
 }
 
 func contains(ps []PathID, p PathID) bool {

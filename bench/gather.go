@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 
@@ -56,8 +57,9 @@ func (g *gatherSet) close() error {
 	return errors.Join(errs...)
 }
 
-// openShards opens (and with advice >= 0, maps with that madvise advice)
-// the shard files of m, for the paths that read them directly.
+// openShards opens the shard files of m for the paths that read them
+// directly: for pread with FADV_RANDOM (advice < 0), or mapped with that
+// madvise advice.
 func openShards(m *backing.Model, seed uint64, advice int) (*gatherSet, error) {
 	g := &gatherSet{}
 	type opened struct {
@@ -73,13 +75,16 @@ func openShards(m *backing.Model, seed uint64, advice int) (*gatherSet, error) {
 		}
 		g.files = append(g.files, f)
 		fd := int(f.Fd())
-		// Engines open shards with FADV_RANDOM: no readahead on preads.
-		if err := unix.Fadvise(fd, 0, 0, unix.FADV_RANDOM); err != nil {
-			g.close()
-			return nil, fmt.Errorf("shard %s: fadvise random: %w", sh.Path, err)
-		}
 		o := opened{fd: fd}
-		if advice >= 0 {
+		if advice < 0 {
+			// Engines that pread open shards with FADV_RANDOM: no readahead.
+			// Only them: the flag is on the open file, so a mapping of the
+			// same file would lose its readahead too (path 2' needs it).
+			if err := unix.Fadvise(fd, 0, 0, unix.FADV_RANDOM); err != nil {
+				g.close()
+				return nil, fmt.Errorf("shard %s: fadvise random: %w", sh.Path, err)
+			}
+		} else {
 			o.data, err = mapFile(f, sh.Size, advice)
 			if err != nil {
 				g.close()
@@ -170,7 +175,8 @@ func (g *gatherSet) fileNames() []string {
 // gatherSerial copies every row of every table of each layer out of the
 // mappings, on the calling goroutine: a decode step of one thread, whose
 // cold page faults are served one after another.
-func (g *gatherSet) gatherSerial(rows [][]uint64, buf []byte) {
+func (g *gatherSet) gatherSerial(rows [][]uint64, buf []byte) (err error) {
+	defer guardFaults(&err)()
 	for j, rs := range rows {
 		for _, src := range g.layers[j] {
 			rb := src.t.RowBytes
@@ -179,6 +185,22 @@ func (g *gatherSet) gatherSerial(rows [][]uint64, buf []byte) {
 				copy(buf[:rb], src.data[off:off+rb])
 			}
 		}
+	}
+	return nil
+}
+
+// guardFaults turns a fault on a mapping into an error in *err. A page of a
+// mapped FUSE file that cannot be read (the daemon died, or failed the read)
+// is a SIGBUS, which would otherwise kill the bench with the daemon's log
+// unread and the mount left behind. Use as `defer guardFaults(&err)()` first
+// thing in a goroutine that touches mappings.
+func guardFaults(err *error) func() {
+	old := debug.SetPanicOnFault(true)
+	return func() {
+		if r := recover(); r != nil {
+			*err = fmt.Errorf("a read of a mapped file faulted (SIGBUS: the daemon died or failed the read): %v", r)
+		}
+		debug.SetPanicOnFault(old)
 	}
 }
 
@@ -230,6 +252,13 @@ func (g *gatherSet) gatherPool(rows [][]uint64, workers, per int, pread bool) er
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			var err error
+			defer func() {
+				if err != nil {
+					firstErr.CompareAndSwap(nil, &err)
+				}
+			}()
+			defer guardFaults(&err)()
 			buf := make([]byte, maxRowBytes(g))
 			for {
 				i := int(next.Add(1)) - 1
@@ -245,9 +274,8 @@ func (g *gatherSet) gatherPool(rows [][]uint64, workers, per int, pread bool) er
 							copy(buf[:rb], src.data[off:off+rb])
 							continue
 						}
-						if err := preadFull(src.fd, buf[:rb], off); err != nil {
-							err = fmt.Errorf("pread %s row %d: %w", src.t.Name, r, err)
-							firstErr.CompareAndSwap(nil, &err)
+						if perr := preadFull(src.fd, buf[:rb], off); perr != nil {
+							err = fmt.Errorf("pread %s row %d: %w", src.t.Name, r, perr)
 							return
 						}
 					}
@@ -293,7 +321,8 @@ func maxRowBytes(g *gatherSet) int64 {
 // against what the synthetic model holds there: a path that gathers fast
 // but wrong must not look good. It reads the way the path does (mapping or
 // pread), outside the timed part.
-func (g *gatherSet) verify(rows [][]uint64) error {
+func (g *gatherSet) verify(rows [][]uint64) (err error) {
+	defer guardFaults(&err)()
 	for j, rs := range rows {
 		if len(rs) == 0 {
 			continue

@@ -133,14 +133,22 @@ func EnsureModel(ctx context.Context, root string, g Geometry, seed uint64, prog
 			}
 		}
 	}()
-	err = backing.Synthesize(dir, spec)
+	synth := make(chan error, 1)
+	go func() { synth <- backing.Synthesize(dir, spec) }()
+	select {
+	case err = <-synth:
+	case <-ctx.Done():
+		// Synthesize cannot be stopped; the caller is about to exit, which
+		// stops it. The directory has no stamp, so the next run regenerates it.
+		err = ctx.Err()
+	}
 	close(stop)
 	<-polled
-	if err != nil {
-		return "", false, fmt.Errorf("generate %s: %w", dir, err)
-	}
 	if ctx.Err() != nil {
 		return "", false, ctx.Err()
+	}
+	if err != nil {
+		return "", false, fmt.Errorf("generate %s: %w", dir, err)
 	}
 	// Write the tables to disk now: writeback during a measurement would
 	// compete with the reads it measures.

@@ -27,7 +27,7 @@ type geomRun struct {
 	decode     [][][]uint64 // step -> layer index -> rows (lookups)
 	prefill    [][][]uint64 // chunk -> layer index -> unique rows
 	chunkRows  []int
-	chunkPages []int
+	chunkPages []int // pages each chunk needs that earlier chunks did not
 }
 
 func newGeomRun(cfg *Config, g Geometry, dir string, drop *dropper, prog *progress, flags []string) (*geomRun, error) {
@@ -46,11 +46,12 @@ func newGeomRun(cfg *Config, g Geometry, dir string, drop *dropper, prog *progre
 	}
 	r.decode = DecodeWorkload(cfg.Seed, layerRows, cfg.Decode)
 	r.prefill = PrefillWorkload(cfg.Seed, layerRows, cfg.Prefill)
+	pc := NewPageCounter(m)
 	for _, ch := range r.prefill {
 		rows, pages := 0, 0
 		for j, rs := range ch {
 			rows += len(rs)
-			pages += TablePages(m, m.Layers[j], rs)
+			pages += pc.Add(m.Layers[j], rs)
 		}
 		r.chunkRows = append(r.chunkRows, rows)
 		r.chunkPages = append(r.chunkPages, pages)
@@ -228,7 +229,9 @@ func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *Daemon, gs *gathe
 				if err := gs.willneed(step); err != nil {
 					return err
 				}
-				gs.gatherSerial(step, buf)
+				if err := gs.gatherSerial(step, buf); err != nil {
+					return err
+				}
 			case PathHints:
 				for j, rows := range step {
 					if err := h.Decode(r.model.Layers[j], rows); err != nil {
@@ -239,14 +242,20 @@ func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *Daemon, gs *gathe
 					return err
 				}
 				hintTimes = append(hintTimes, time.Since(start))
-				gs.gatherSerial(step, buf)
+				if err := gs.gatherSerial(step, buf); err != nil {
+					return err
+				}
 			default:
-				gs.gatherSerial(step, buf)
+				if err := gs.gatherSerial(step, buf); err != nil {
+					return err
+				}
 			}
 			times = append(times, time.Since(start))
 			if warm != nil {
 				ws := time.Now()
-				gs.gatherSerial(step, buf)
+				if err := gs.gatherSerial(step, buf); err != nil {
+					return err
+				}
 				warmTimes = append(warmTimes, time.Since(ws))
 			}
 			if err := gs.verify(step); err != nil {
@@ -373,7 +382,7 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *Daemon, gs *gath
 				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, true)
 			case PathMmapWillneed:
 				if err = gs.willneed(chunk); err == nil {
-					gs.gatherSerial(chunk, buf)
+					err = gs.gatherSerial(chunk, buf)
 				}
 			default:
 				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, false)

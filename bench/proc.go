@@ -137,3 +137,36 @@ func selfCPU() time.Duration {
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
+
+// machineCPU is the CPU time all CPUs spent busy and in total since boot,
+// from the first line of /proc/stat.
+func machineCPU() (busy, total time.Duration, err error) {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, 0, err
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 9 || f[0] != "cpu" {
+		return 0, 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
+	}
+	var v [8]uint64 // user nice system idle iowait irq softirq steal
+	for i := range v {
+		if v[i], err = strconv.ParseUint(f[i+1], 10, 64); err != nil {
+			return 0, 0, fmt.Errorf("/proc/stat: %w", err)
+		}
+	}
+	b64 := v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+	t64 := b64 + v[3] + v[4]
+	return time.Duration(b64) * time.Second / clockTick, time.Duration(t64) * time.Second / clockTick, nil
+}
+
+// ownCPU is the CPU time of this process and of its children that have
+// exited (the daemons the bench started and stopped).
+func ownCPU() time.Duration {
+	var self, kids unix.Rusage
+	if unix.Getrusage(unix.RUSAGE_SELF, &self) != nil || unix.Getrusage(unix.RUSAGE_CHILDREN, &kids) != nil {
+		return 0
+	}
+	return time.Duration(self.Utime.Nano() + self.Stime.Nano() + kids.Utime.Nano() + kids.Stime.Nano())
+}

@@ -52,7 +52,7 @@ type GeometryReport struct {
 	ModelDir      string        `json:"model_dir"`
 	Generated     time.Duration `json:"generated_ns,omitempty"` // 0: reused from an earlier run
 	ChunkRows     []int         `json:"prefill_chunk_rows"`     // unique rows per chunk, all layers
-	ChunkPages    []int         `json:"prefill_chunk_pages"`    // distinct 4 KiB pages those rows need
+	ChunkPages    []int         `json:"prefill_chunk_pages"`    // 4 KiB pages those rows need that earlier chunks did not
 	Paths         []*PathResult `json:"paths"`
 	LimitChunkSec float64       `json:"limit_chunk_seconds"` // mean chunk pages / best disk IOPS
 }
@@ -79,7 +79,7 @@ type Phase struct {
 	Cold  string  `json:"cold"`  // how the page cache was emptied before it
 	Times Summary `json:"times"` // per decode step / per prefill chunk gather
 	Rows  int64   `json:"rows"`  // rows gathered: decode lookups, or unique prefill rows (all layers)
-	Pages int64   `json:"pages"` // prefill: distinct 4 KiB pages those rows need (mount layout)
+	Pages int64   `json:"pages"` // prefill: distinct 4 KiB pages those rows need (mount layout), over all chunks
 
 	RowsPerSec   float64 `json:"rows_per_sec,omitempty"` // prefill: Rows / gather time
 	BackingBytes uint64  `json:"backing_bytes"`
@@ -132,8 +132,8 @@ type Machine struct {
 	CPUs     int    `json:"cpus"`
 	MemBytes int64  `json:"mem_bytes"`
 	Kernel   string `json:"kernel"`
-	// Load is the load average and CPU and I/O pressure at the start and
-	// end of the run: other work on the machine makes the figures noisy.
+	// Load is the machine's load before the run, and how busy other
+	// processes kept the CPUs during it: other work makes the figures noisy.
 	Load      []string `json:"load"`
 	Disk      string   `json:"disk"` // the filesystem and device under the models
 	GoVersion string   `json:"go_version"`
@@ -317,7 +317,7 @@ func (r *Report) WriteTable(w io.Writer) {
 				rows += g.ChunkRows[i]
 				pages += g.ChunkPages[i]
 			}
-			fmt.Fprintf(w, "prefill chunk: %s unique rows (all layers), %.2f pages/row; disk limit %s a chunk\n",
+			fmt.Fprintf(w, "prefill chunk: %s unique rows (all layers), %.2f new pages/row (not read by an earlier chunk); disk limit %s a chunk\n",
 				fmtCount(float64(rows)/float64(len(g.ChunkRows))), float64(pages)/float64(rows), fmtDur(time.Duration(g.LimitChunkSec*float64(time.Second))))
 		}
 		fmt.Fprintf(w, "%-20s │ %27s │ %35s │ %13s │ %22s\n", "", "decode step", "prefill chunk gather", "backing B/row", "daemon")

@@ -1,8 +1,13 @@
 package bench
 
 import (
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestPercentile(t *testing.T) {
@@ -43,5 +48,33 @@ func TestSummarize(t *testing.T) {
 	}
 	if z := Summarize(nil); z != (Summary{}) {
 		t.Errorf("summary of nothing = %+v", z)
+	}
+}
+
+// TestGuardFaults: a read past the end of a mapped file that shrank is a
+// SIGBUS, as a read of a dead mount is; it must come back as an error.
+func TestGuardFaults(t *testing.T) {
+	f, err := os.Create(filepath.Join(t.TempDir(), "f"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(8192); err != nil {
+		t.Fatal(err)
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, 8192, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	if err := f.Truncate(0); err != nil {
+		t.Fatal(err)
+	}
+	read := func() (b byte, err error) {
+		defer guardFaults(&err)()
+		return m[4096], nil
+	}
+	if _, err := read(); err == nil || !strings.Contains(err.Error(), "SIGBUS") {
+		t.Errorf("read of a truncated mapping returned %v, want a SIGBUS error", err)
 	}
 }

@@ -218,23 +218,42 @@ func UniqueRows(rows []uint64) []uint64 {
 	return slices.Compact(rows)
 }
 
-// TablePages counts the distinct file pages (in the mount's layout: data
-// page-aligned) that hold rows of every table of layer: the 4 KiB reads a
-// cold gather of those rows needs at the least.
-func TablePages(m *backing.Model, layer int, rows []uint64) int {
-	n := 0
-	for _, t := range m.LayerTables(layer) {
-		// rows are sorted, so their pages never go back: count each page
-		// once by skipping those below the first one not yet counted.
-		var next uint64 // page 0 is the header: no row starts below it
+// PageCounter counts the file pages (in the mount's layout: data
+// page-aligned) that rows of every table of a layer need and that no earlier
+// Add counted: the 4 KiB reads a cold gather of a sequence of chunks needs at
+// the least. Chunks share pages (small rows pack many to a page; common
+// n-grams recur), so a chunk after the first needs fewer reads than it has
+// distinct pages.
+type PageCounter struct {
+	m    *backing.Model
+	seen map[pageKey]struct{}
+}
+
+type pageKey struct {
+	table uint32
+	page  uint64
+}
+
+// NewPageCounter counts pages of m's tables, none seen yet.
+func NewPageCounter(m *backing.Model) *PageCounter {
+	return &PageCounter{m: m, seen: map[pageKey]struct{}{}}
+}
+
+// Add counts the pages rows need in every table of layer and returns how
+// many were not seen before.
+func (c *PageCounter) Add(layer int, rows []uint64) int {
+	fresh := 0
+	for _, t := range c.m.LayerTables(layer) {
 		for _, r := range rows {
 			first, last := t.RowPages(r)
-			first = max(first, next)
-			if last >= first {
-				n += int(last - first + 1)
-				next = last + 1
+			for pg := first; pg <= last; pg++ {
+				k := pageKey{t.ID, pg}
+				if _, ok := c.seen[k]; !ok {
+					c.seen[k] = struct{}{}
+					fresh++
+				}
 			}
 		}
 	}
-	return n
+	return fresh
 }

@@ -149,8 +149,9 @@ func TestUniqueRows(t *testing.T) {
 	}
 }
 
-// TestTablePages counts pages in the mount layout for both geometries.
-func TestTablePages(t *testing.T) {
+// TestPageCounter counts pages in the mount layout for the small-row
+// geometry, each page once across calls.
+func TestPageCounter(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "m")
 	spec := backing.DefaultSynth()
 	spec.Layers, spec.Rows = 1, 4096
@@ -162,17 +163,19 @@ func TestTablePages(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	pc := NewPageCounter(m)
 	for _, tc := range []struct {
 		rows []uint64
 		want int
 	}{
-		{[]uint64{0}, 2},           // one weight page, one scale page
-		{[]uint64{0, 1, 15}, 2},    // same pages
-		{[]uint64{0, 16}, 3},       // two weight pages, one scale page
-		{[]uint64{0, 511, 512}, 5}, // weight pages 0, 31, 32; scale pages 0 and 1
+		{[]uint64{0}, 2},          // one weight page, one scale page
+		{[]uint64{0, 1, 15}, 0},   // the same pages again
+		{[]uint64{16}, 1},         // a new weight page; scale page 0 seen
+		{[]uint64{511, 512}, 3},   // weight pages 31 and 32, scale page 1
+		{[]uint64{4095, 4095}, 2}, // the last rows: weight page 255, scale page 7
 	} {
-		if got := TablePages(m, 0, tc.rows); got != tc.want {
-			t.Errorf("rows %v: %d pages, want %d", tc.rows, got, tc.want)
+		if got := pc.Add(0, tc.rows); got != tc.want {
+			t.Errorf("rows %v: %d new pages, want %d", tc.rows, got, tc.want)
 		}
 	}
 }

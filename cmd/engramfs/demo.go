@@ -33,10 +33,9 @@ tables large enough to be cold, the disk's limit).`)
 		return usagef("takes no arguments, got %q", fl.Args())
 	}
 	if err := bench.FUSEAvailable(); err != nil {
-		return fmt.Errorf(`%v.
-The demo mounts a FUSE filesystem, which needs root and /dev/fuse:
-run it as root (sudo engramfs demo), on a machine whose kernel has FUSE
-(modprobe fuse; in a container, pass --device /dev/fuse --cap-add SYS_ADMIN)`, err)
+		return fmt.Errorf(`needs root and /dev/fuse to mount engramfs: %v.
+Run it as root (sudo engramfs demo) on a machine whose kernel has FUSE
+(modprobe fuse; in a container: --device /dev/fuse --cap-add SYS_ADMIN)`, err)
 	}
 	dir, err := os.MkdirTemp("", "engramfs-demo-")
 	if err != nil {
