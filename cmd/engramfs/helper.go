@@ -51,11 +51,16 @@ var genericOptions = map[string]bool{
 	"_netdev": true, "nofail": true, "async": true, "sync": true, "dirsync": true,
 	"atime": true, "noatime": true, "relatime": true, "norelatime": true, "strictatime": true,
 	"diratime": true, "nodiratime": true, "lazytime": true, "nolazytime": true,
-	"silent": true, "loud": true, "bg": true, "fg": true,
+	"silent": true, "loud": true, "bg": true, "fg": true, "uhelper": true, "helper": true,
 }
 
-// helperOnlyOptions are -o options of the helper itself, not mount flags.
+// optLogFile is the helper's own -o option, not a mount flag.
 const optLogFile = "log_file"
+
+// readyOnlyEnv=1 tells a daemon started by the helper that NOTIFY_SOCKET is
+// the helper's, which is gone once it has heard READY=1: the daemon drops
+// the variable after that message.
+const readyOnlyEnv = "ENGRAMFS_NOTIFY_READY_ONLY"
 
 // helperArgs is a mount(8) helper command line:
 // SPEC DIR [-sfnv] [-N namespace] [-o options] [-t type.subtype].
@@ -283,8 +288,8 @@ func startBackground(exe string, argv []string, logFile string) error {
 	cmd.Stdin = nil // /dev/null
 	cmd.Stdout, cmd.Stderr = log, log
 	cmd.Env = append(slices.DeleteFunc(os.Environ(), func(e string) bool {
-		return strings.HasPrefix(e, sdnotify.SocketEnv+"=")
-	}), sdnotify.SocketEnv+"="+sock)
+		return strings.HasPrefix(e, sdnotify.SocketEnv+"=") || strings.HasPrefix(e, readyOnlyEnv+"=")
+	}), sdnotify.SocketEnv+"="+sock, readyOnlyEnv+"=1")
 	// Its own session: the daemon outlives the helper and mount(8), and no
 	// terminal's hangup reaches it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}

@@ -105,6 +105,9 @@ files. Must run as root (or with the right to mount FUSE directly).`)
 		return err
 	}
 	d.notify("READY=1\nSTATUS=" + d.status())
+	if os.Getenv(readyOnlyEnv) == "1" {
+		os.Unsetenv(sdnotify.SocketEnv)
+	}
 	d.startWarmUp()
 	gone := make(chan struct{})
 	go func() { d.srv.Wait(); close(gone) }()
