@@ -104,7 +104,11 @@ files. Must run as root (or with the right to mount FUSE directly).`)
 	if err != nil {
 		return err
 	}
-	d.notify("READY=1\nSTATUS=" + d.status())
+	ready := "READY=1\nSTATUS=" + d.status()
+	if len(d.warmKeys) > 0 {
+		ready += fmt.Sprintf("; warming %d saved pages", len(d.warmKeys))
+	}
+	d.notify(ready)
 	if os.Getenv(readyOnlyEnv) == "1" {
 		os.Unsetenv(sdnotify.SocketEnv)
 	}
@@ -276,11 +280,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 
 // status is the one-line state for the service manager.
 func (d *daemon) status() string {
-	s := fmt.Sprintf("serving %d tables of %d layers from %s", len(d.model.Tables), len(d.model.Layers), d.model.Dir)
-	if len(d.warmKeys) > 0 {
-		s += fmt.Sprintf("; warming %d pages", len(d.warmKeys))
-	}
-	return s
+	return fmt.Sprintf("serving %d tables of %d layers from %s", len(d.model.Tables), len(d.model.Layers), d.model.Dir)
 }
 
 // notify tells the service manager (or the mount helper) about the daemon's
