@@ -13,7 +13,7 @@ import (
 )
 
 // testModel writes a two-layer model whose shard is a header and a hole.
-func testModel(t *testing.T, rows int64) *backing.Model {
+func testModel(t testing.TB, rows int64) *backing.Model {
 	t.Helper()
 	dir := t.TempDir()
 	var tensors []backing.TensorInfo
@@ -194,5 +194,27 @@ func TestDroppedCountedByLayer(t *testing.T) {
 	p.Refaulted([]cache.PageKey{{Table: 1, Page: first}})
 	if got := st.Layer(1).Refaulted.Load(); got != 0 {
 		t.Fatalf("a fault on a dropped page counted as refaulted (%d)", got)
+	}
+}
+
+// BenchmarkRefaulted is the hint accounting a demand fault pays: one atomic
+// AND on the table's bitmap.
+func BenchmarkRefaulted(b *testing.B) {
+	m := testModel(b, 1<<16)
+	st := &stats.Counters{}
+	st.SetLayers(m.Layers)
+	p := New(DefaultConfig(1), m, nil, &countingPusher{}, nil, st, nil)
+	defer p.Close()
+	tb := m.Tables[0]
+	pages := make([]uint64, 0, 4096)
+	for pg := tb.DataPage(); pg < tb.DataPage()+4096; pg++ {
+		pages = append(pages, pg)
+	}
+	p.markHinted(tb.ID, pages)
+	keys := []cache.PageKey{{Table: tb.ID}}
+	b.ResetTimer()
+	for i := range b.N {
+		keys[0].Page = pages[i%len(pages)]
+		p.Refaulted(keys)
 	}
 }

@@ -350,6 +350,18 @@ func logTail(path string, from int64) string {
 const umountStopTimeout = 60 * time.Second
 
 func runUmountHelper(args []string) error {
+	if len(args) == 1 && (args[0] == "-h" || args[0] == "--help") {
+		fmt.Fprintf(os.Stderr, `Usage: %s MOUNTPOINT [-flnrv]
+       engramfs umount-helper MOUNTPOINT
+
+The umount(8) helper for fuse.engramfs mounts. A mount with pinned pages is
+busy (the daemon maps the table files itself), so this unmounts, or detaches
+the mount when it is busy, then waits up to %v for the daemon to save its
+warm state and exit. umount(8) runs it for mounts recorded in
+/run/mount/utab: mount with -o uhelper=engramfs.
+`, umountHelperName, umountStopTimeout)
+		return nil
+	}
 	var target string
 	lazy := false
 	for i := 0; i < len(args); i++ {

@@ -32,7 +32,7 @@ func TestEveryStatHasAMetric(t *testing.T) {
 	}
 }
 
-func testModel(t *testing.T) *backing.Model {
+func testModel(t testing.TB) *backing.Model {
 	t.Helper()
 	dir := t.TempDir()
 	spec := backing.DefaultSynth()
