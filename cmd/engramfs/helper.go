@@ -189,15 +189,21 @@ func knownOptions(fl *flag.FlagSet) []string {
 // not given: /var/log/engramfs/<mountpoint, slashes as dashes>.log (as root),
 // else the same name in the temporary directory.
 func defaultLogFile(mountpoint string) string {
-	name := strings.ReplaceAll(strings.Trim(filepath.Clean(mountpoint), "/"), "/", "-")
-	if name == "" {
-		name = "root"
-	}
+	name := logName(mountpoint)
 	const dir = "/var/log/engramfs"
 	if err := os.MkdirAll(dir, 0o755); err == nil && unix.Access(dir, unix.W_OK) == nil {
 		return filepath.Join(dir, name+".log")
 	}
 	return filepath.Join(os.TempDir(), "engramfs-"+name+".log")
+}
+
+// logName is mountpoint with its slashes as dashes: /mnt/engram is mnt-engram.
+func logName(mountpoint string) string {
+	name := strings.ReplaceAll(strings.Trim(filepath.Clean(mountpoint), "/"), "/", "-")
+	if name == "" {
+		name = "root"
+	}
+	return name
 }
 
 // helperReadyTimeout bounds the wait for the daemon's readiness.

@@ -62,10 +62,11 @@ func TestMountArgsTranslatesOptions(t *testing.T) {
 	}
 }
 
-func TestDefaultLogFile(t *testing.T) {
-	got := defaultLogFile("/mnt/engram/")
-	if !strings.HasSuffix(got, "mnt-engram.log") {
-		t.Fatalf("defaultLogFile: %s", got)
+func TestLogName(t *testing.T) {
+	for in, want := range map[string]string{"/mnt/engram/": "mnt-engram", "/": "root", "/a/b/c": "a-b-c"} {
+		if got := logName(in); got != want {
+			t.Errorf("logName(%q) = %q, want %q", in, got, want)
+		}
 	}
 }
 
