@@ -146,8 +146,17 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 				note("could not drop the page cache (%s): dropped the files' caches with fadvise(DONTNEED) instead", drop.fellBack)
 			}
 			if err != nil {
-				rep.finish(cfg.QueueDepth)
-				return rep, err
+				if ctx.Err() != nil {
+					rep.finish(cfg.QueueDepth)
+					return rep, ctx.Err()
+				}
+				// One path failing (a daemon crash, say) is a result too:
+				// report it and measure the others.
+				gr.Paths = append(gr.Paths, &PathResult{Path: p, Label: p.Label(), Failed: err.Error()})
+				prog.printf("%s %s FAILED: %v", g.Name, p, err)
+				first, _, _ := strings.Cut(err.Error(), "\n")
+				rep.Notes = append(rep.Notes, fmt.Sprintf("%s %s failed: %s (the whole error, with the daemon's log, is in the JSON report and was printed when it happened)", g.Name, p, first))
+				continue
 			}
 			gr.Paths = append(gr.Paths, res)
 			if warm != nil {

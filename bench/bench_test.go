@@ -180,3 +180,46 @@ func TestRunInterrupted(t *testing.T) {
 		t.Errorf("mountpoints left behind: %v", m)
 	}
 }
+
+// TestDaemonFailsToMount: a daemon that cannot mount (no such model) is an
+// error that says why, with nothing left behind.
+func TestDaemonFailsToMount(t *testing.T) {
+	tests.RequireFUSE(t)
+	_, err := StartDaemon(context.Background(), tests.Binary(t), nil, nil, filepath.Join(t.TempDir(), "no-model"))
+	if err == nil || !strings.Contains(err.Error(), "exited before mounting") || !strings.Contains(err.Error(), "no-model") {
+		t.Fatalf("got %v, want an error naming the missing model", err)
+	}
+	noBenchMounts(t)
+}
+
+// TestRunGoesOnAfterAPathFails: a daemon that dies is reported as that
+// path's failure, with its output, and the other paths are still measured.
+func TestRunGoesOnAfterAPathFails(t *testing.T) {
+	tests.RequireFUSE(t)
+	cfg := tinyConfig(t)
+	cfg.Geometries = cfg.Geometries[:1]
+	cfg.Paths = []PathID{PathEngramfs, PathMmap}
+	// A "daemon" that lists the flags the bench looks for, then dies.
+	cfg.Binary = filepath.Join(t.TempDir(), "engramfs")
+	script := "#!/bin/sh\nif [ \"$2\" = --help ]; then echo '  -queue-depth int'; exit 0; fi\necho 'fatal error: out of luck' >&2\nexit 2\n"
+	if err := os.WriteFile(cfg.Binary, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	rep, err := Run(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := rep.Geometries[0]
+	if len(g.Paths) != 2 || g.Paths[0].Failed == "" || !strings.Contains(g.Paths[0].Failed, "out of luck") {
+		t.Fatalf("engramfs path: %+v, want it failed with the daemon's output", g.Paths[0])
+	}
+	if g.path(PathMmap) == nil || g.path(PathEngramfs) != nil {
+		t.Error("the failed path counts as measured, or mmap was not measured after it")
+	}
+	var b bytes.Buffer
+	rep.WriteTable(&b)
+	if !strings.Contains(b.String(), "FAILED") {
+		t.Errorf("table hides the failure:\n%s", b.String())
+	}
+	noBenchMounts(t)
+}

@@ -1,17 +1,15 @@
 package bench
 
 import (
-	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -25,10 +23,14 @@ import (
 // memory can be read from /proc, apart from the reader's.
 type Daemon struct {
 	Mountpoint string
+	// LogPath is the file the daemon's output goes to. A file, not a pipe:
+	// a daemon that blocks writing to a full pipe stops answering faults,
+	// and a reader blocked in those faults may be the very process that was
+	// to drain the pipe (seen: a 30 MB crash dump did exactly that). Stop
+	// removes it when the daemon ends cleanly.
+	LogPath string
 
 	cmd     *exec.Cmd
-	log     *tailBuffer
-	mounted chan struct{}
 	exited  chan struct{}
 	exitErr error // set before exited closes
 	stopped bool
@@ -48,18 +50,24 @@ func StartDaemon(ctx context.Context, bin string, flags, env []string, modelDir 
 	if err != nil {
 		return nil, err
 	}
+	logf, err := os.CreateTemp("", "engramfs-bench-daemon-*.log")
+	if err != nil {
+		os.Remove(mp)
+		return nil, err
+	}
+	defer logf.Close() // the child has its own descriptor
 	args := append([]string{"mount", "--log-format", "json"}, flags...)
 	args = append(args, modelDir, mp)
 	d := &Daemon{
 		Mountpoint: mp,
+		LogPath:    logf.Name(),
 		cmd:        exec.Command(bin, args...),
-		log:        &tailBuffer{max: 64 << 10},
-		mounted:    make(chan struct{}),
 		exited:     make(chan struct{}),
 	}
 	if len(env) > 0 {
 		d.cmd.Env = append(os.Environ(), env...)
 	}
+	d.cmd.Stdout, d.cmd.Stderr = logf, logf
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{
 		// Its own process group: a Ctrl-C at the terminal reaches the bench
 		// only, which unmaps its files before it stops the daemon.
@@ -68,76 +76,91 @@ func StartDaemon(ctx context.Context, bin string, flags, env []string, modelDir 
 		// SIGTERM, and SIGTERM unmounts.
 		Pdeathsig: syscall.SIGTERM,
 	}
-	pr, pw, err := os.Pipe()
-	if err != nil {
-		os.Remove(mp)
-		return nil, err
-	}
-	d.cmd.Stdout, d.cmd.Stderr = pw, pw
 	if err := d.cmd.Start(); err != nil {
-		pr.Close()
-		pw.Close()
 		os.Remove(mp)
+		os.Remove(d.LogPath)
 		return nil, fmt.Errorf("start %s: %w", bin, err)
 	}
-	pw.Close()
-	logDone := make(chan struct{})
-	go d.readLog(pr, logDone)
 	go func() {
-		err := d.cmd.Wait()
-		<-logDone // every line the daemon wrote is in the buffer
-		d.exitErr = err
+		d.exitErr = d.cmd.Wait()
 		close(d.exited)
 	}()
 
-	timer := time.NewTimer(mountTimeout)
-	defer timer.Stop()
-	select {
-	case <-d.mounted:
-		return d, nil
-	case <-d.exited:
-		os.Remove(mp)
-		return nil, fmt.Errorf("engramfs mount exited before mounting (%v):\n%s", d.exitErr, d.log.String())
-	case <-timer.C:
-		err = fmt.Errorf("engramfs mount did not mount within %v:\n%s", mountTimeout, d.log.String())
-	case <-ctx.Done():
-		err = ctx.Err()
+	deadline := time.Now().Add(mountTimeout)
+	for !d.loggedMounted() {
+		select {
+		case <-d.exited:
+			err := fmt.Errorf("engramfs mount exited before mounting (%v):\n%s", d.exitErr, d.Log())
+			os.Remove(mp)
+			return nil, err
+		case <-ctx.Done():
+			err = ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+			if time.Now().Before(deadline) {
+				continue
+			}
+			err = fmt.Errorf("engramfs mount did not mount within %v:\n%s", mountTimeout, d.Log())
+		}
+		if serr := d.Stop(); serr != nil {
+			err = fmt.Errorf("%w; stopping it: %v", err, serr)
+		}
+		return nil, err
 	}
-	if serr := d.Stop(); serr != nil {
-		err = fmt.Errorf("%w; stopping it: %v", err, serr)
-	}
-	return nil, err
+	return d, nil
 }
 
-// readLog copies the daemon's log into the tail buffer and notices the
-// "mounted" line (the daemon logs JSON: --log-format json).
-func (d *Daemon) readLog(r io.ReadCloser, done chan<- struct{}) {
-	defer close(done)
-	defer r.Close()
-	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	seen := false
-	for sc.Scan() {
-		line := sc.Bytes()
-		d.log.Write(append(line, '\n'))
-		if !seen {
-			var e struct {
-				Msg string `json:"msg"`
-			}
-			if json.Unmarshal(line, &e) == nil && e.Msg == "mounted" {
-				seen = true
-				close(d.mounted)
-			}
+// loggedMounted reports whether the daemon has logged "mounted" (it logs
+// JSON: --log-format json).
+func (d *Daemon) loggedMounted() bool {
+	b, err := os.ReadFile(d.LogPath)
+	if err != nil {
+		return false
+	}
+	for _, line := range bytes.Split(b, []byte("\n")) {
+		var e struct {
+			Msg string `json:"msg"`
+		}
+		if json.Unmarshal(line, &e) == nil && e.Msg == "mounted" {
+			return true
 		}
 	}
-	_, _ = io.Copy(io.Discard, r)
+	return false
+}
+
+// Log says what in the daemon's output matters: its warnings and errors
+// (the first of each message), the first lines it printed that are not log
+// lines (a crash's reason comes before its goroutine dump), and its last
+// lines.
+func (d *Daemon) Log() string {
+	b, err := os.ReadFile(d.LogPath)
+	if err != nil {
+		return fmt.Sprintf("(daemon log %s: %v)", d.LogPath, err)
+	}
+	var out []string
+	seen := map[string]bool{}
+	raw := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		var e struct {
+			Level string `json:"level"`
+			Msg   string `json:"msg"`
+		}
+		switch {
+		case json.Unmarshal([]byte(line), &e) == nil:
+			if e.Level != "info" && e.Level != "debug" && !seen[e.Msg] {
+				seen[e.Msg] = true
+				out = append(out, line)
+			}
+		case strings.TrimSpace(line) != "" && raw < 20:
+			raw++
+			out = append(out, line)
+		}
+	}
+	return fmt.Sprintf("daemon log %s (%s); its warnings, errors and first other lines:\n%s\n... and its last lines:\n%s",
+		d.LogPath, fmtBytes(float64(len(b))), strings.Join(out, "\n"), b[max(0, len(b)-2048):])
 }
 
 // Pid is the daemon's process id.
 func (d *Daemon) Pid() int { return d.cmd.Process.Pid }
-
-// Log is the tail of what the daemon printed.
-func (d *Daemon) Log() string { return d.log.String() }
 
 // Stats reads the mount's .engramfs/stats.
 func (d *Daemon) Stats() (stats.Snapshot, error) {
@@ -194,8 +217,9 @@ func (d *Daemon) Stop() error {
 		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {
-		return fmt.Errorf("%w\n%s", err, d.log.String())
+		return fmt.Errorf("%w\n%s", err, d.Log()) // the log file stays
 	}
+	os.Remove(d.LogPath)
 	return nil
 }
 
@@ -232,27 +256,4 @@ func DaemonFlags(bin string) (map[string]bool, error) {
 		return nil, fmt.Errorf("%s mount --help lists no --queue-depth: not an engramfs binary?\n%s", bin, out)
 	}
 	return flags, nil
-}
-
-// tailBuffer keeps the last max bytes written to it.
-type tailBuffer struct {
-	mu  sync.Mutex
-	max int
-	b   []byte // GUARDED_BY(mu)
-}
-
-func (t *tailBuffer) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.b = append(t.b, p...)
-	if len(t.b) > t.max {
-		t.b = append(t.b[:0], t.b[len(t.b)-t.max:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tailBuffer) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return string(t.b)
 }

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"time"
@@ -88,8 +89,10 @@ func (r *geomRun) run(ctx context.Context, p PathID) (res, warm *PathResult, err
 			return nil, nil, err
 		}
 		defer func() {
-			if serr := d.Stop(); serr != nil && err == nil {
-				err = fmt.Errorf("%s: stopping the daemon: %w", p, serr)
+			// Keep both: when a phase failed because the daemon did, its
+			// exit status and log (in Stop's error) say why.
+			if serr := d.Stop(); serr != nil {
+				err = errors.Join(err, fmt.Errorf("%s: stopping the daemon: %w", p, serr))
 			}
 		}()
 		open = func() (*gatherSet, error) { return openMount(r.model, d.Mountpoint, r.cfg.Seed) }

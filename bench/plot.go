@@ -61,7 +61,7 @@ func (r *Report) Plot(path string) error {
 			return cmp.Compare(boolInt(a.Path == PathWarm), boolInt(b.Path == PathWarm))
 		})
 		for _, p := range paths {
-			if p.Skipped != "" {
+			if !p.measured() {
 				continue
 			}
 			ids = append(ids, p.Path)

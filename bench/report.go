@@ -65,6 +65,7 @@ type PathResult struct {
 	Prefill *Phase       `json:"prefill,omitempty"`
 	Daemon  *DaemonUsage `json:"daemon,omitempty"`
 	Skipped string       `json:"skipped,omitempty"`
+	Failed  string       `json:"failed,omitempty"` // the error that stopped the path (the run goes on)
 	Ratios  Ratios       `json:"ratios"`
 }
 
@@ -139,9 +140,12 @@ type Machine struct {
 	GoVersion string   `json:"go_version"`
 }
 
+// measured reports whether the path ran to the end.
+func (p *PathResult) measured() bool { return p.Skipped == "" && p.Failed == "" }
+
 func (g *GeometryReport) path(id PathID) *PathResult {
 	for _, p := range g.Paths {
-		if p.Path == id && p.Skipped == "" {
+		if p.Path == id && p.measured() {
 			return p
 		}
 	}
@@ -168,7 +172,7 @@ func (r *Report) finish(queueDepth int) {
 			g.LimitChunkSec = chunkPages / float64(len(g.ChunkPages)) / r.Disk.BestIOPS()
 		}
 		for _, p := range g.Paths {
-			if p.Skipped != "" {
+			if !p.measured() {
 				continue
 			}
 			p.Ratios = Ratios{}
@@ -327,6 +331,11 @@ func (r *Report) WriteTable(w io.Writer) {
 		for _, p := range g.Paths {
 			if p.Skipped != "" {
 				fmt.Fprintf(w, "%-20s │ skipped: %s\n", p.Label, p.Skipped)
+				continue
+			}
+			if p.Failed != "" {
+				first, _, _ := strings.Cut(p.Failed, "\n")
+				fmt.Fprintf(w, "%-20s │ FAILED: %s\n", p.Label, first)
 				continue
 			}
 			dec := [4]string{"-", "-", "-", "-"}
