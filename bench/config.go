@@ -17,7 +17,7 @@ const (
 	PathMmapWillneed PathID = "mmap-willneed"  // 3: as 2, after fadvise(WILLNEED) on every row
 	PathEngramfs     PathID = "engramfs"       // 4: the mount's table files mapped as in 2, no hints
 	PathHints        PathID = "engramfs-hints" // 5: as 4, with decode and prefill hints
-	PathWarm         PathID = "warm"           // reference: path 4's gather again, every row in the page cache
+	PathWarm         PathID = "warm"           // reference: path 4's gather again through a fresh mapping, every row in the page cache
 )
 
 // AllPaths is every measured path, in report order (the warm reference is

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"time"
@@ -109,6 +110,9 @@ func StartDaemon(ctx context.Context, bin string, flags, env []string, modelDir 
 	return d, nil
 }
 
+// hexDump matches a line of the stack dump a Go crash on a signal prints.
+var hexDump = regexp.MustCompile(`^[0-9a-f]{16}: `)
+
 // loggedMounted reports whether the daemon has logged "mounted" (it logs
 // JSON: --log-format json).
 func (d *Daemon) loggedMounted() bool {
@@ -150,7 +154,9 @@ func (d *Daemon) Log() string {
 				seen[e.Msg] = true
 				out = append(out, line)
 			}
-		case strings.TrimSpace(line) != "" && raw < 20:
+		case raw < 20 && line != "" && !strings.HasPrefix(line, "\t") && !strings.HasPrefix(line, " ") && !hexDump.MatchString(line):
+			// A crash prints its reason, then goroutines, then (for a
+			// signal) a hex dump of the stack: keep the reason.
 			raw++
 			out = append(out, line)
 		}
