@@ -108,7 +108,7 @@ type Config struct {
 	ProgressTTY bool
 }
 
-// DefaultConfig is the full run: both geometries at 8.4 GiB each, so the
+// DefaultConfig is the full run: both geometries at 8.2 GiB each, so the
 // rows a run touches are nearly all distinct and cold.
 func DefaultConfig() Config {
 	big, _ := NewGeometry(GeometryBig, 2, 1<<20)

@@ -39,10 +39,11 @@ cold page cache (dropped as root before each path and phase). Decode: steps
 of 72 Zipf-popular rows per layer; prefill: chunks of 8192 tokens hashed to
 ~31K unique rows per layer.
 
-The models (8.4 GiB each by default) are generated once into --model-dir and
-reused. The full run takes about 6 minutes here after generation (about a
-minute per model); --quick takes under two minutes from scratch. Needs root
-and /dev/fuse for paths 4 and 5 (skipped otherwise).`)
+The models (8.2 GiB each by default) are generated once into --model-dir and
+reused. On a 2-CPU VM the full run takes about 5.5 minutes after generation
+(about 30 s per model); --quick takes under two minutes from scratch. Needs
+root and /dev/fuse for paths 4 and 5 (skipped otherwise). bench/README.md
+explains every column.`)
 	quick := fl.Bool("quick", false, "a short run (1.1 GiB models, fewer steps and chunks): under two minutes")
 	cfg := bench.DefaultConfig()
 	geometries := fl.String("geometry", "big,flash", "geometries to measure: big (4096+128-byte rows), flash (256+8-byte rows)")
