@@ -93,6 +93,7 @@ func StartDaemon(ctx context.Context, bin string, flags, env []string, modelDir 
 		case <-d.exited:
 			err := fmt.Errorf("engramfs mount exited before mounting (%v):\n%s", d.exitErr, d.Log())
 			os.Remove(mp)
+			os.Remove(d.LogPath) // short, and all in err
 			return nil, err
 		case <-ctx.Done():
 			err = ctx.Err()
@@ -161,8 +162,8 @@ func (d *Daemon) Log() string {
 			out = append(out, line)
 		}
 	}
-	return fmt.Sprintf("daemon log %s (%s); its warnings, errors and first other lines:\n%s\n... and its last lines:\n%s",
-		d.LogPath, fmtBytes(float64(len(b))), strings.Join(out, "\n"), b[max(0, len(b)-2048):])
+	return fmt.Sprintf("daemon log (%s); its warnings, errors and first other lines:\n%s\n... and its last lines:\n%s",
+		fmtBytes(float64(len(b))), strings.Join(out, "\n"), b[max(0, len(b)-2048):])
 }
 
 // Pid is the daemon's process id.
@@ -223,7 +224,7 @@ func (d *Daemon) Stop() error {
 		errs = append(errs, err)
 	}
 	if err := errors.Join(errs...); err != nil {
-		return fmt.Errorf("%w\n%s", err, d.Log()) // the log file stays
+		return fmt.Errorf("%w\n%s\n(the whole log is kept in %s)", err, d.Log(), d.LogPath)
 	}
 	os.Remove(d.LogPath)
 	return nil
