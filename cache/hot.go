@@ -70,19 +70,13 @@ const (
 	// admitChunk bounds how long one Admit holds mu (a 40K-row prefill chunk
 	// would otherwise hold it for milliseconds in front of FUSE readers).
 	admitChunk = 256
-	// vmaHeadroom is left for every other mapping of the daemon when the
-	// capacity is clamped to vm.max_map_count.
-	vmaHeadroom = 4096
 )
 
 // NewHotCache pins up to capacityBytes of pages through p (which it owns from
 // now on: Close closes it). A nil p, or one whose mlock is refused, runs the
 // policy unpinned. A capacity under one page disables the cache.
 //
-// Each scattered pinned page costs the daemon 2 VMAs, so the capacity is
-// clamped (with a warning) to what vm.max_map_count allows: ~120 MiB at the
-// default 65530. Raise vm.max_map_count to at least 2 x capacity pages + 8192
-// for more. Without CAP_IPC_LOCK it is also clamped to RLIMIT_MEMLOCK.
+// Without CAP_IPC_LOCK the capacity is clamped to RLIMIT_MEMLOCK.
 func NewHotCache(capacityBytes int64, p *Pinner, st *stats.Counters, log *zap.Logger) *HotCache {
 	if st == nil {
 		st = &stats.Counters{}
@@ -91,12 +85,6 @@ func NewHotCache(capacityBytes int64, p *Pinner, st *stats.Counters, log *zap.Lo
 		log = zap.NewNop()
 	}
 	if p != nil && p.Available() && capacityBytes >= PageSize {
-		if limit := int64(MaxPinnablePages(vmaHeadroom)); limit >= 0 && capacityBytes/PageSize > limit {
-			log.Warn("hot tier capacity clamped to what vm.max_map_count allows (2 VMAs per pinned page); raise the sysctl for more",
-				zap.Int64("capacity_bytes", capacityBytes), zap.Int64("clamped_bytes", limit*PageSize),
-				zap.Int64("max_map_count_needed", 2*(capacityBytes/PageSize)+2*vmaHeadroom))
-			capacityBytes = limit * PageSize
-		}
 		if limit := p.memlockPages(); limit >= 0 && capacityBytes/PageSize > limit {
 			// Better a smaller pinned tier than mlock failing half way.
 			log.Warn("hot tier capacity clamped to RLIMIT_MEMLOCK (no CAP_IPC_LOCK); raise it (ulimit -l) for more",

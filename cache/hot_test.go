@@ -416,21 +416,10 @@ func TestForRuns(t *testing.T) {
 }
 
 // TestHotCacheClampsCapacity: a capacity the kernel would refuse half way is
-// clamped at construction, with a warning, to vm.max_map_count (2 VMAs per
-// scattered page) and, without CAP_IPC_LOCK, to RLIMIT_MEMLOCK.
+// clamped at construction, with a warning: without CAP_IPC_LOCK, to
+// RLIMIT_MEMLOCK.
 func TestHotCacheClampsCapacity(t *testing.T) {
 	f := sparseFile(t, 16)
-	t.Run("max_map_count", func(t *testing.T) {
-		core, logs := observer.New(zapcore.WarnLevel)
-		h, _, st := newHot(t, 1<<28, zap.New(core), f) // 1 TiB
-		limit := int64(MaxPinnablePages(vmaHeadroom))
-		if got := st.CacheCapacityBytes.Load() / PageSize; got > limit || got < limit-64 || int64(h.tier.Capacity()) != got {
-			t.Fatalf("capacity %d pages, tier %d, want about %d", got, h.tier.Capacity(), limit)
-		}
-		if logs.Len() != 1 {
-			t.Fatalf("%d warnings, want 1", logs.Len())
-		}
-	})
 	t.Run("memlock", func(t *testing.T) {
 		var lim unix.Rlimit
 		if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim); err != nil || lim.Cur == unix.RLIM_INFINITY || lim.Cur/PageSize > 10_000 {

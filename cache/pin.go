@@ -28,23 +28,29 @@ type TableFile struct {
 	Size int64
 }
 
-// Pinner keeps pages of the table files in the kernel page cache by mlocking
+// Pinner keeps pages of the table files in the kernel page cache by locking
 // them in the daemon's own read-only shared mapping of each file. Locked pages
 // are never reclaimed, so readers in other processes hit them with a minor
 // fault; there is one copy of the data, the page cache's.
 //
 // Kernel rules it follows (measured on 6.18):
-//   - mlock of a page that is not in the page cache faults it in, through our
-//     own FUSE Read handler when the file is on the mount (~36 µs). Call
-//     Pin only from a goroutine that no Read handler waits for.
-//   - Every locked run splits the mapping's VMA: pinning scattered single
-//     pages costs 2 VMAs each, and mlock fails with ENOMEM at
-//     vm.max_map_count (default 65530: 32,751 scattered pages = 128 MiB).
-//     See MaxPinnablePages.
-//   - A failed mlock (e.g. a page past EOF: ENOMEM) leaves the range
-//     VM_LOCKED and counted in VmLck; the pinner munlocks it again.
-//   - Unpin = munlock + MADV_DONTNEED: that only drops the pinner's own page
-//     table entries; the page stays in the page cache, now reclaimable.
+//   - Each table is mapped once and locked whole with mlock2(MLOCK_ONFAULT):
+//     nothing is faulted in, but every page that gets mapped is locked. Pin
+//     maps a page (MADV_POPULATE_READ: an error, not SIGBUS, if the read
+//     fails); Unpin unmaps it (MADV_DONTNEED_LOCKED), which unlocks it. The
+//     first design, mlock and munlock of single pages, split the mapping's
+//     VMA at every pinned page: 2 VMAs a page, and the split VMAs did not
+//     all merge back on munlock, so a 1 GiB tier under churn passed 575,000
+//     VMAs, mlock failed with ENOMEM and then the Go runtime's own mmap did
+//     (the daemon aborted). Locking whole mappings keeps one VMA per table.
+//   - Populating a page also maps its cached neighbours in the same 64 KiB
+//     window (fault-around, even under MADV_RANDOM), and they would be locked
+//     too: the pinner unmaps every page of the window it has not pinned.
+//   - Populating a page that is not in the page cache faults it through our
+//     own FUSE Read handler when the file is on the mount (~36 µs). Call Pin
+//     only from a goroutine that no Read handler waits for.
+//   - VmLck counts the whole locked mapping; what is really pinned is
+//     "Locked" in /proc/self/smaps_rollup (lockedBytes).
 //   - A mapping of a file on the mount keeps the mount busy: Close before
 //     unmounting.
 //
@@ -53,10 +59,11 @@ type Pinner struct {
 	files   []TableFile
 	log     *zap.Logger
 	capLock bool               // CAP_IPC_LOCK: RLIMIT_MEMLOCK does not apply
-	mlock   func([]byte) error // unix.Mlock; tests inject refusals
+	mlock   func([]byte) error // populates (so locks) a run; tests inject failures
 
 	mu       sync.Mutex
 	maps     [][]byte       // GUARDED_BY(mu); per table, nil until first used
+	pinned   [][]uint64     // GUARDED_BY(mu); per table, a bit per page pinned
 	closed   bool           // GUARDED_BY(mu)
 	inflight sync.WaitGroup // calls using a mapping; Close waits for them before munmap
 
@@ -71,7 +78,8 @@ func NewPinner(files []TableFile, log *zap.Logger) *Pinner {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: unix.Mlock, maps: make([][]byte, len(files))}
+	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: populate,
+		maps: make([][]byte, len(files)), pinned: make([][]uint64, len(files))}
 	if b, err := unix.Mmap(-1, 0, PageSize, unix.PROT_READ, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err == nil {
 		if err := unix.Mlock(b); err != nil && p.refused(err, 0) {
 			p.disable(err)
@@ -90,10 +98,10 @@ func (p *Pinner) Pin(k PageKey) error { return p.PinRun(k.Table, k.Page, 1) }
 // Unpin releases page k.
 func (p *Pinner) Unpin(k PageKey) error { return p.UnpinRun(k.Table, k.Page, 1) }
 
-// PinRun locks n adjacent pages of table from page first on, in one mlock
-// (one VMA). The last page of a file is clipped to its size. On error no page
-// of the run is left locked by this call. Once mlock has been refused it
-// returns ErrPinUnavailable without a system call.
+// PinRun locks n adjacent pages of table from page first on. The last page
+// of a file is clipped to its size. On error no page of the run is left
+// locked by this call. Once locking has been refused it returns
+// ErrPinUnavailable without a system call.
 func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 	if p.unavailable.Load() {
 		return ErrPinUnavailable
@@ -103,31 +111,82 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 		return wrapRun("pin", table, first, n, err)
 	}
 	defer p.inflight.Done()
+	if p.unavailable.Load() { // the mapping could not be locked
+		return ErrPinUnavailable
+	}
 	if err := p.mlock(r); err != nil {
-		// The kernel marks the range VM_LOCKED before faulting it in: undo.
-		_ = unix.Munlock(r)
+		_ = unix.Madvise(r, unix.MADV_DONTNEED_LOCKED) // whatever did get mapped
 		if p.refused(err, len(r)) {
 			p.disable(err)
 			return ErrPinUnavailable
 		}
 		return wrapRun("pin", table, first, n, fmt.Errorf("mlock: %w", err))
 	}
+	p.setPinned(table, first, n, true)
+	p.trimFaultAround(table, first, n)
 	return nil
 }
 
-// UnpinRun releases n adjacent pages: munlock, then MADV_DONTNEED on the
-// pinner's own range so that it no longer maps them either.
+// faultAroundPages is the kernel's default fault-around window (64 KiB).
+const faultAroundPages = 16
+
+// trimFaultAround unmaps (so unlocks) the pages that populating
+// [first, first+n) mapped around it and that are not pinned.
+func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
+	lo := first &^ (faultAroundPages - 1)
+	hi := (first + n + faultAroundPages - 1) &^ (faultAroundPages - 1)
+	p.mu.Lock()
+	b, bits := p.maps[table], p.pinned[table]
+	var runs [][2]uint64
+	pages := uint64(len(b)+PageSize-1) / PageSize
+	for q := lo; q < min(hi, pages); q++ {
+		if bits[q/64]&(1<<(q%64)) != 0 {
+			continue
+		}
+		if k := len(runs); k > 0 && runs[k-1][1] == q {
+			runs[k-1][1] = q + 1
+		} else {
+			runs = append(runs, [2]uint64{q, q + 1})
+		}
+	}
+	p.mu.Unlock()
+	for _, r := range runs {
+		end := min(r[1]*PageSize, uint64(len(b)))
+		_ = unix.Madvise(b[r[0]*PageSize:end], unix.MADV_DONTNEED_LOCKED)
+	}
+}
+
+func (p *Pinner) setPinned(table uint32, first, n uint64, on bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	bits := p.pinned[table]
+	for q := first; q < first+n && q/64 < uint64(len(bits)); q++ {
+		if on {
+			bits[q/64] |= 1 << (q % 64)
+		} else {
+			bits[q/64] &^= 1 << (q % 64)
+		}
+	}
+}
+
+// populate maps the pages of r (so, in a locked mapping, locks them); a
+// failed read is an error, not a SIGBUS.
+func populate(r []byte) error {
+	return unix.Madvise(r, unix.MADV_POPULATE_READ)
+}
+
+// UnpinRun releases n adjacent pages: MADV_DONTNEED_LOCKED unmaps them from
+// the pinner's locked mapping, so they are reclaimable again (the page cache
+// keeps them until memory is needed).
 func (p *Pinner) UnpinRun(table uint32, first, n uint64) error {
 	r, err := p.run(table, first, n, false)
 	if err != nil || r == nil {
 		return wrapRun("unpin", table, first, n, err)
 	}
 	defer p.inflight.Done()
-	if err := unix.Munlock(r); err != nil {
-		return wrapRun("unpin", table, first, n, fmt.Errorf("munlock: %w", err))
-	}
-	if err := unix.Madvise(r, unix.MADV_DONTNEED); err != nil {
-		return wrapRun("unpin", table, first, n, fmt.Errorf("madvise(MADV_DONTNEED): %w", err))
+	p.setPinned(table, first, n, false)
+	if err := unix.Madvise(r, unix.MADV_DONTNEED_LOCKED); err != nil {
+		return wrapRun("unpin", table, first, n, fmt.Errorf("madvise(MADV_DONTNEED_LOCKED): %w", err))
 	}
 	return nil
 }
@@ -165,13 +224,10 @@ func (p *Pinner) Close() error {
 		if b == nil {
 			continue
 		}
-		if err := unix.Munlock(b); err != nil {
-			errs = append(errs, fmt.Errorf("close table %d: munlock: %w", t, err))
-		}
-		if err := unix.Munmap(b); err != nil {
+		if err := unix.Munmap(b); err != nil { // unlocks too
 			errs = append(errs, fmt.Errorf("close table %d: munmap: %w", t, err))
 		}
-		p.maps[t] = nil
+		p.maps[t], p.pinned[t] = nil, nil
 	}
 	return errors.Join(errs...)
 }
@@ -213,9 +269,14 @@ func (p *Pinner) run(table uint32, first, n uint64, create bool) ([]byte, error)
 			p.inflight.Done()
 			return nil, err
 		}
+		// Lock the whole mapping, on fault: one VMA, nothing read yet.
+		if err := mlockOnFault(m); err != nil && p.refused(err, 0) {
+			p.disable(err)
+		}
 		p.mu.Lock()
 		if b = p.maps[table]; b == nil {
 			p.maps[table], b = m, m
+			p.pinned[table] = make([]uint64, (uint64(len(m))/PageSize+64)/64)
 		} else {
 			_ = unix.Munmap(m) // another call mapped it first
 		}
@@ -242,6 +303,19 @@ func mapFile(f TableFile) ([]byte, error) {
 		return nil, fmt.Errorf("madvise %s (MADV_RANDOM): %w", f.Path, err)
 	}
 	return b, nil
+}
+
+// mlockOnFault is mlock2(MLOCK_ONFAULT): pages of b are locked as they get
+// mapped, none is faulted in now.
+func mlockOnFault(b []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
+	_, _, errno := unix.Syscall(unix.SYS_MLOCK2, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), unix.MLOCK_ONFAULT)
+	if errno != 0 {
+		return errno
+	}
+	return nil
 }
 
 func wrapRun(op string, table uint32, first, n uint64, err error) error {
@@ -297,13 +371,14 @@ func hasCapIPCLock() bool {
 	return data[unix.CAP_IPC_LOCK/32].Effective&(1<<(unix.CAP_IPC_LOCK%32)) != 0
 }
 
-// lockedBytes is this process's VmLck.
+// lockedBytes is the memory this process has locked and resident: "Locked"
+// of /proc/self/smaps_rollup (VmLck counts whole MLOCK_ONFAULT mappings).
 func lockedBytes() (uint64, bool) {
-	return procStatusKB("VmLck:")
+	return procKB("/proc/self/smaps_rollup", "Locked:")
 }
 
-func procStatusKB(field string) (uint64, bool) {
-	b, err := os.ReadFile("/proc/self/status")
+func procKB(path, field string) (uint64, bool) {
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return 0, false
 	}
@@ -326,24 +401,4 @@ func (p *Pinner) memlockPages() int64 {
 	}
 	locked, _ := lockedBytes()
 	return int64(max(lim.Cur, locked)-locked) / PageSize
-}
-
-// MaxPinnablePages is how many scattered pages this process can still lock
-// before mlock fails on vm.max_map_count: each isolated locked page splits
-// its mapping into 2 more VMAs. headroom VMAs are left for everything else
-// (Go heap arenas, go-fuse buffers, table mappings). -1 if unknown.
-func MaxPinnablePages(headroom int) int {
-	b, err := os.ReadFile("/proc/sys/vm/max_map_count")
-	if err != nil {
-		return -1
-	}
-	limit, err := strconv.Atoi(string(bytes.TrimSpace(b)))
-	if err != nil {
-		return -1
-	}
-	maps, err := os.ReadFile("/proc/self/maps")
-	if err != nil {
-		return -1
-	}
-	return max(0, (limit-bytes.Count(maps, []byte("\n"))-headroom)/2)
 }

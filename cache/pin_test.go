@@ -290,15 +290,3 @@ func TestPinnerConcurrentClose(t *testing.T) {
 	wg.Wait()
 	wantLocked(t, base, 0, "after concurrent Close")
 }
-
-func TestMaxPinnablePages(t *testing.T) {
-	n := MaxPinnablePages(4096)
-	b, err := os.ReadFile("/proc/sys/vm/max_map_count")
-	if err != nil {
-		t.Skip(err)
-	}
-	t.Logf("vm.max_map_count %s: %d scattered pages pinnable", strings.TrimSpace(string(b)), n)
-	if n <= 0 {
-		t.Fatalf("MaxPinnablePages = %d", n)
-	}
-}

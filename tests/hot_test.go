@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -79,9 +80,35 @@ func settle(t testing.TB, d *Daemon) {
 	t.Fatalf("hot tier did not settle")
 }
 
-// vmLckBytes is the daemon's locked memory.
-func vmLckBytes(t testing.TB, d *Daemon) int64 {
-	return procStatusKB(t, d.Cmd.Process.Pid, "VmLck") * 1024
+// lockedBytes is the daemon's locked, resident memory: "Locked" of its
+// smaps_rollup (VmLck counts the whole MLOCK_ONFAULT mappings of the tier).
+func lockedBytes(t testing.TB, d *Daemon) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(d.Cmd.Process.Pid) + "/smaps_rollup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Locked:"); ok {
+			kb, err := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return kb * 1024
+		}
+	}
+	t.Fatal("no Locked: in smaps_rollup")
+	return 0
+}
+
+// vmas is the daemon's number of mappings.
+func vmas(t testing.TB, d *Daemon) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(d.Cmd.Process.Pid) + "/maps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Count(string(b), "\n")
 }
 
 func TestHotTierBudgetHolds(t *testing.T) {
@@ -101,8 +128,8 @@ func TestHotTierBudgetHolds(t *testing.T) {
 		if st.CacheUsedBytes > capacity {
 			t.Fatalf("%s: cache_used_bytes %d over the capacity %d", when, st.CacheUsedBytes, capacity)
 		}
-		if lck := vmLckBytes(t, d); lck > capacity {
-			t.Fatalf("%s: daemon VmLck %d bytes over the capacity %d", when, lck, capacity)
+		if lck := lockedBytes(t, d); lck > capacity {
+			t.Fatalf("%s: daemon's locked memory %d bytes over the capacity %d", when, lck, capacity)
 		}
 	}
 	// Decode hints and demand faults over far more pages than fit.
@@ -117,6 +144,11 @@ func TestHotTierBudgetHolds(t *testing.T) {
 	}
 	settle(t, d)
 	check("after the trace")
+	// Pinning must not fragment the daemon's mappings: pinning page by page
+	// with mlock once split a VMA per page until mmap failed.
+	if n := vmas(t, d); n > 2000 {
+		t.Fatalf("daemon has %d mappings after pinning and evicting thousands of pages", n)
+	}
 	st := d.Stats(t)
 	if st.CacheEvictions == 0 || st.CacheUsedBytes < capacity/2 {
 		t.Fatalf("a trace over %d rows into a 2 MiB tier: %d evictions, %d bytes pinned; want evictions and a full tier", spec.Rows, st.CacheEvictions, st.CacheUsedBytes)
@@ -270,7 +302,7 @@ func TestUnmountWithPinnedPages(t *testing.T) {
 			maps := layerMaps(t, d, Model(t, d.ModelDir), 0)
 			decodeStep(t, openControl(t, d), 0, []uint64{1, 2, 3, 500, 1000})
 			settle(t, d)
-			if d.Stats(t).CacheUsedBytes == 0 || vmLckBytes(t, d) == 0 {
+			if d.Stats(t).CacheUsedBytes == 0 || lockedBytes(t, d) == 0 {
 				t.Fatalf("nothing pinned")
 			}
 			for _, b := range maps { // readers go away, as they do in an orderly shutdown

@@ -6,8 +6,6 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -444,32 +442,5 @@ func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, 
 	for i, t := range m.Tables {
 		files[i] = cache.TableFile{Path: filepath.Join(abs, t.Path()), Size: t.FileSize}
 	}
-	raiseMaxMapCount(capacity/cache.PageSize, log)
 	return cache.NewHotCache(capacity, cache.NewPinner(files, log), st, log), nil
-}
-
-// raiseMaxMapCount makes room for pinning pages pages: mlock of one page in
-// the middle of a mapping splits it into 3 VMAs, so a scattered hot set
-// needs ~2 VMAs a page, far past the default vm.max_map_count (65530) for
-// a 1 GiB tier. As root the daemon raises the limit (and says so); otherwise
-// the tier is clamped to fit, with a warning.
-func raiseMaxMapCount(pages int64, log *zap.Logger) {
-	const path = "/proc/sys/vm/max_map_count"
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return
-	}
-	cur, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
-	if err != nil {
-		return
-	}
-	need := 2*pages + 65536 // and room for everything else the process maps
-	if need <= cur {
-		return
-	}
-	if err := os.WriteFile(path, []byte(strconv.FormatInt(need, 10)), 0o644); err != nil {
-		return // NewHotCache clamps the tier and warns
-	}
-	log.Info("raised vm.max_map_count so the hot tier fits (2 VMAs per pinned page)",
-		zap.Int64("from", cur), zap.Int64("to", need))
 }
