@@ -21,8 +21,9 @@ import (
 // the work; every mlock/munlock happens on the worker, which holds no lock
 // that callers need while it makes a system call.
 //
-// Budget: the pages actually locked never exceed the capacity, even between
-// two calls. The policy's decisions and the queue are kept in one order (mu),
+// Budget: the pages actually pinned never exceed the capacity, even between
+// two calls (while a run is being pinned, up to MaxTransientPages of its
+// fault-around neighbours are locked too, until the pinner trims them). The policy's decisions and the queue are kept in one order (mu),
 // the worker applies each batch unpins first, and it pins only pages still
 // in the tier; so what it has locked is always a subset of the tier as it was
 // when the batch was taken, which the tier keeps within budget.

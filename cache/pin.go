@@ -130,6 +130,11 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 // faultAroundPages is the kernel's default fault-around window (64 KiB).
 const faultAroundPages = 16
 
+// MaxTransientPages bounds the pages locked beyond the pinned set: while a run
+// is being pinned, the cached neighbours that fault-around mapped at its two
+// ends are locked until trimFaultAround unmaps them.
+const MaxTransientPages = 2 * (faultAroundPages - 1)
+
 // trimFaultAround unmaps (so unlocks) the pages that populating
 // [first, first+n) mapped around it and that are not pinned.
 func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
