@@ -484,13 +484,29 @@ func (p *Prefetcher) settle(table uint32, first, n uint64, err error) {
 	}
 }
 
-// Queued reports whether page k waits in a queue (not yet in flight). The
-// fault path uses it to count late prefetches.
-func (p *Prefetcher) Queued(k cache.PageKey) bool {
+// ServedByFault tells the prefetcher that a FUSE read is serving keys. A page
+// still waiting in a queue is late: the fault reads it, so the prefetch
+// would read it a second time. Its queued work is cancelled and its waiters
+// released (the page is resident once the read returns); it returns how many
+// pages were late this way. Pages already in flight are counted by the
+// loader, which hands the fault the prefetch's read.
+func (p *Prefetcher) ServedByFault(keys []cache.PageKey) (late int) {
+	var waiters []*Barrier
 	p.mu.Lock()
-	defer p.mu.Unlock()
-	ps := p.pages[k]
-	return ps != nil && !ps.inflight
+	for _, k := range keys {
+		ps := p.pages[k]
+		if ps == nil || ps.inflight {
+			continue
+		}
+		delete(p.pages, k) // the queued task finds no state and skips the page
+		waiters = append(waiters, ps.waiters...)
+		late++
+	}
+	p.mu.Unlock()
+	for _, w := range waiters {
+		w.done(nil)
+	}
+	return late
 }
 
 // Refaulted tells the hint accounting that FUSE reads asked for keys: each

@@ -111,11 +111,13 @@ func TestStatsCountGoroutinesBackToBaseline(t *testing.T) {
 	waitGoroutines(t, d, base)
 }
 
-// waitGoroutines waits until the daemon's goroutine count is back to base
-// (a few of go-fuse's request loops come and go with load).
+// waitGoroutines waits until the daemon's goroutine count is back to base.
+// go-fuse keeps up to 16 request readers (its maxMaxReaders) blocked on
+// /dev/fuse once load has started them, and a few transient ones: more than
+// that is a leak.
 func waitGoroutines(t *testing.T, d *Daemon, base int) {
 	t.Helper()
-	const slack = 8
+	const slack = 16 + 4
 	var n int
 	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
 		if n = d.Stats(t).Goroutines; n <= base+slack {
