@@ -74,8 +74,8 @@ func (c *controlFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte,
 }
 
 // Write feeds the handle's frame stream. A bad frame fails the write that
-// completes it with EINVAL (frames completed before it in the same write
-// are still accepted) and resets the stream.
+// delivers its first bad field with EINVAL (frames completed before it in
+// the same write are still accepted) and resets the stream.
 func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
 	h, ok := fh.(*controlHandle)
 	if !ok {
