@@ -94,11 +94,12 @@ func TestLoadEightReaders(t *testing.T) {
 	st := d.Stats(t)
 	t.Logf("8 readers, %v: %d rows checked (%.0f rows/s), 0 mismatches; daemon peak RSS %d MiB; stats %+v",
 		time.Since(start).Round(time.Millisecond), rows, float64(rows)/time.Since(start).Seconds(), peak>>20, st)
-	// The race detector's shadow memory multiplies the heap; the budget
-	// holds for the daemon as shipped.
+	// The race detector's shadow memory multiplies the heap (a 60 s run
+	// under -race peaked at 300 MiB, the same run without it at 147 MiB);
+	// the budget + 100 MiB bound is for the daemon as shipped.
 	limit := int64(budget + 100<<20)
 	if raceEnabled {
-		limit = budget + 200<<20
+		limit = budget + 400<<20
 	}
 	if peak > limit {
 		t.Fatalf("daemon peak RSS %d MiB, over the cache budget + allowance (%d MiB)", peak>>20, limit>>20)
