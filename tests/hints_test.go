@@ -99,6 +99,17 @@ func gatherAndCheck(t testing.TB, d *Daemon, maps map[*backing.Table][]byte, row
 	}
 }
 
+// gatherFromMemory gathers rows, checks their bytes, and fails t if the
+// gather reached FUSE: the rows were to be resident already.
+func gatherFromMemory(t testing.TB, d *Daemon, maps map[*backing.Table][]byte, rows []uint64, what string) {
+	t.Helper()
+	before := d.Stats(t)
+	gatherAndCheck(t, d, maps, rows)
+	if after := d.Stats(t); after.FuseReads != before.FuseReads {
+		t.Fatalf("%s: the gather caused %d FUSE reads, want 0", what, after.FuseReads-before.FuseReads)
+	}
+}
+
 func TestDecodeHintThenBarrierMakesRowsResident(t *testing.T) {
 	for name, spec := range geometries() {
 		for _, proto := range []string{"binary", "text"} {
@@ -125,13 +136,8 @@ func TestDecodeHintThenBarrierMakesRowsResident(t *testing.T) {
 						t.Fatalf("%s: %d of %d hinted pages resident after the barrier", tb.Path(), res, total)
 					}
 				}
-				before := d.Stats(t)
-				gatherAndCheck(t, d, maps, rows)
-				after := d.Stats(t)
-				if after.FuseReads != before.FuseReads {
-					t.Fatalf("the gather after the barrier caused %d FUSE reads, want 0", after.FuseReads-before.FuseReads)
-				}
-				if after.HintFrames != 1 || after.HintRows != 72 || after.PrefetchPagesStored == 0 {
+				gatherFromMemory(t, d, maps, rows, "after the barrier")
+				if after := d.Stats(t); after.HintFrames != 1 || after.HintRows != 72 || after.PrefetchPagesStored == 0 {
 					t.Fatalf("stats after one frame: %+v", after)
 				}
 			})
@@ -165,11 +171,7 @@ func TestPrefillHintBecomesResidentWithoutWait(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	before := d.Stats(t)
-	gatherAndCheck(t, d, maps, rows)
-	if after := d.Stats(t); after.FuseReads != before.FuseReads {
-		t.Fatalf("gather of prefetched rows caused %d FUSE reads", after.FuseReads-before.FuseReads)
-	}
+	gatherFromMemory(t, d, maps, rows, "prefetched rows")
 }
 
 func TestBadFrameIsRefusedAndTheNextWorks(t *testing.T) {
@@ -288,9 +290,5 @@ func TestSeveralProcessesHintAtOnce(t *testing.T) {
 			t.Fatalf("%s: %d of %d pages resident", tb.Path(), res, total)
 		}
 	}
-	before := d.Stats(t)
-	gatherAndCheck(t, d, maps, rows)
-	if after := d.Stats(t); after.FuseReads != before.FuseReads {
-		t.Fatalf("gather caused %d FUSE reads", after.FuseReads-before.FuseReads)
-	}
+	gatherFromMemory(t, d, maps, rows, "rows hinted by several processes")
 }
