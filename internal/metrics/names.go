@@ -39,7 +39,7 @@ var statMetrics = map[string]statMetric{
 	"backing_bytes":  {"backing_bytes_total", counter, "Bytes read from shard files, O_DIRECT alignment included."},
 	"backing_errors": {"backing_errors_total", counter, "Shard reads that failed (I/O error, short read, shard changed since mount)."},
 
-	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the pinned hot tier after clamping to vm.max_map_count and RLIMIT_MEMLOCK."},
+	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the pinned hot tier after clamping to RLIMIT_MEMLOCK."},
 	"cache_used_bytes":     {"cache_used_bytes", gauge, "Bytes of table pages locked in the page cache now."},
 	"cache_hits":           {"cache_hits_total", counter, "Hinted or faulted pages found in the hot tier."},
 	"cache_misses":         {"cache_misses_total", counter, "Hinted or faulted pages not in the hot tier."},
