@@ -1,7 +1,7 @@
 package tests
 
 import (
-	"bufio"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"strconv"
@@ -12,33 +12,40 @@ import (
 	"github.com/engramfs/engramfs/hints"
 )
 
-// VmRSS of pid in bytes.
-func rssBytes(t testing.TB, pid int) int64 {
-	t.Helper()
-	return procStatusKB(t, pid, "VmRSS") * 1024
+// procBytes reads one "Key: N kB" line of /proc/PID/FILE (status,
+// smaps_rollup), in bytes. It does not fail the test, so a watcher
+// goroutine can call it too.
+func procBytes(pid int, file, key string) (int64, error) {
+	path := "/proc/" + strconv.Itoa(pid) + "/" + file
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, key+":"); ok {
+			if f := strings.Fields(v); len(f) > 0 {
+				kb, err := strconv.ParseInt(f[0], 10, 64)
+				return kb * 1024, err
+			}
+		}
+	}
+	return 0, fmt.Errorf("%s has no %s", path, key)
 }
 
-// procStatusKB reads one "Key: N kB" line of /proc/PID/status.
-func procStatusKB(t testing.TB, pid int, key string) int64 {
+// mustProcBytes is procBytes that fails t.
+func mustProcBytes(t testing.TB, pid int, file, key string) int64 {
 	t.Helper()
-	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/status")
+	n, err := procBytes(pid, file, key)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		k, v, ok := strings.Cut(sc.Text(), ":")
-		if ok && k == key {
-			n, err := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return n
-		}
-	}
-	t.Fatalf("/proc/%d/status has no %s", pid, key)
-	return 0
+	return n
+}
+
+// VmRSS of pid in bytes.
+func rssBytes(t testing.TB, pid int) int64 {
+	t.Helper()
+	return mustProcBytes(t, pid, "status", "VmRSS")
 }
 
 func TestPrefillFloodDropsOldestAndDecodeGoesFirst(t *testing.T) {

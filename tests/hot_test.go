@@ -85,21 +85,7 @@ func settle(t testing.TB, d *Daemon) {
 // smaps_rollup (VmLck counts the whole MLOCK_ONFAULT mappings of the tier).
 func lockedBytes(t testing.TB, d *Daemon) int64 {
 	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(d.Cmd.Process.Pid) + "/smaps_rollup")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "Locked:"); ok {
-			kb, err := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return kb * 1024
-		}
-	}
-	t.Fatal("no Locked: in smaps_rollup")
-	return 0
+	return mustProcBytes(t, d.Cmd.Process.Pid, "smaps_rollup", "Locked")
 }
 
 // vmas is the daemon's number of mappings.

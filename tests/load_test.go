@@ -75,15 +75,8 @@ func TestLoadEightReaders(t *testing.T) {
 				return
 			case <-time.After(100 * time.Millisecond):
 			}
-			if b, err := os.ReadFile("/proc/" + strconv.Itoa(d.Cmd.Process.Pid) + "/status"); err == nil {
-				for _, line := range strings.Split(string(b), "\n") {
-					if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-						kb, _ := strconv.ParseInt(strings.Fields(v)[0], 10, 64)
-						if kb*1024 > peak {
-							peak = kb * 1024
-						}
-					}
-				}
+			if rss, err := procBytes(d.Cmd.Process.Pid, "status", "VmRSS"); err == nil {
+				peak = max(peak, rss)
 			}
 		}
 	}()
