@@ -160,11 +160,3 @@ func (l *Loader) read(t *backing.Table, off, n int64) ([]byte, error) {
 	}
 	return buf, err
 }
-
-// InFlight reports whether page k is being read right now.
-func (l *Loader) InFlight(k PageKey) bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	_, ok := l.flights[k]
-	return ok
-}

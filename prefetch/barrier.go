@@ -64,10 +64,3 @@ func (b *Barrier) Wait(ctx context.Context) error {
 	b.err = nil
 	return err
 }
-
-// Pending is the number of pages not yet settled.
-func (b *Barrier) Pending() int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.pending
-}
