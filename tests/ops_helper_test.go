@@ -15,6 +15,20 @@ import (
 
 // helperLinks makes mount.fuse.engramfs and umount.fuse.engramfs symlinks to
 // the engramfs binary in dir, as an install does in /sbin.
+// helperTestbed makes a temporary directory, a small model and an empty
+// mountpoint in it that is unmounted (and its daemon stopped) when t ends.
+func helperTestbed(t *testing.T) (dir, model, mp string) {
+	t.Helper()
+	dir = t.TempDir()
+	model = Synth(t, geometries()["4096B"])
+	mp = filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cleanupMount(t, mp)
+	return dir, model, mp
+}
+
 func helperLinks(t *testing.T, dir string) (mountHelper, umountHelper string) {
 	t.Helper()
 	mountHelper, umountHelper = filepath.Join(dir, "mount.fuse.engramfs"), filepath.Join(dir, "umount.fuse.engramfs")
@@ -78,14 +92,8 @@ func umountAndWait(t *testing.T, umount func() ([]byte, error), mp string, pid i
 
 func TestMountHelperAsMountRunsIt(t *testing.T) {
 	RequireFUSE(t)
-	dir := t.TempDir()
+	dir, model, mp := helperTestbed(t)
 	mountHelper, umountHelper := helperLinks(t, dir)
-	model := Synth(t, geometries()["4096B"])
-	mp := filepath.Join(dir, "mnt")
-	if err := os.Mkdir(mp, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	cleanupMount(t, mp)
 	logFile := filepath.Join(dir, "daemon.log")
 
 	// Exactly as mount(8) runs a helper: SPEC DIR [-sfnv] -o OPTIONS, with
@@ -121,14 +129,8 @@ func TestMountHelperAsMountRunsIt(t *testing.T) {
 
 func TestMountHelperRefusesWithAClearError(t *testing.T) {
 	RequireFUSE(t)
-	dir := t.TempDir()
+	dir, model, mp := helperTestbed(t)
 	mountHelper, _ := helperLinks(t, dir)
-	model := Synth(t, geometries()["4096B"])
-	mp := filepath.Join(dir, "mnt")
-	if err := os.Mkdir(mp, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	cleanupMount(t, mp)
 	for _, c := range []struct {
 		args []string
 		want string
@@ -181,13 +183,7 @@ func TestMountTypeFuseEngramfs(t *testing.T) {
 		}
 		t.Cleanup(func() { os.Remove(p) })
 	}
-	dir := t.TempDir()
-	model := Synth(t, geometries()["4096B"])
-	mp := filepath.Join(dir, "mnt")
-	if err := os.Mkdir(mp, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	cleanupMount(t, mp)
+	dir, model, mp := helperTestbed(t)
 	logFile := filepath.Join(dir, "daemon.log")
 
 	check := func(how string, cacheBytes int64) int {
