@@ -110,7 +110,8 @@ var _ Reader = (*faultReader)(nil)
 
 // NewFaultReader wraps r: reads are delayed by spec.Latency, and those the
 // spec picks fail with EIO (without reaching r) or come back short (from r,
-// cut, with no error: the lie a broken lower layer would tell). Each spoiled
+// cut, with no error: the lie a broken lower layer would tell; the loader
+// must catch it). Each spoiled
 // read counts in st.BackingErrors; st may be nil.
 func NewFaultReader(r Reader, spec FaultSpec, st *stats.Counters) Reader {
 	return &faultReader{r: r, spec: spec, st: st}
@@ -123,24 +124,40 @@ const (
 	saltShortLen
 )
 
-func (f *faultReader) ReadTable(t *Table, off int64, n int) ([]byte, error) {
-	if f.spec.Latency > 0 {
-		time.Sleep(f.spec.Latency)
+func (f *faultReader) Submit(reads ...*TableRead) {
+	pass := make([]*TableRead, 0, len(reads))
+	for _, r := range reads {
+		t, off, n := r.Table, r.Off, r.Len
+		if f.failsPage(t, off, n) || f.badPage(t, off, n) {
+			f.count()
+			f.later(func() {
+				r.Done(nil, fmt.Errorf("table %s: data offset %d: injected fault: %w", t.Name, off, syscall.EIO))
+			})
+			continue
+		}
+		done := r.Done
+		pass = append(pass, &TableRead{Table: t, Off: off, Len: n, Done: func(buf []byte, err error) {
+			if err == nil && len(buf) > 0 && f.draw(saltShort, t, off) < f.spec.ShortFraction {
+				f.count()
+				k := int(f.hash(saltShortLen, t, off) % uint64(len(buf)))
+				buf = buf[:k:k]
+			}
+			done(buf, err)
+		}})
 	}
-	if f.failsPage(t, off, n) || f.badPage(t, off, n) {
-		f.count()
-		return nil, fmt.Errorf("table %s: data offset %d: injected fault: %w", t.Name, off, syscall.EIO)
+	if len(pass) > 0 {
+		f.later(func() { f.r.Submit(pass...) })
 	}
-	buf, err := f.r.ReadTable(t, off, n)
-	if err != nil {
-		return nil, err
+}
+
+// later runs fn after the injected latency, on its own goroutine: a slow
+// backend delays reads without holding up their submitter.
+func (f *faultReader) later(fn func()) {
+	if f.spec.Latency <= 0 {
+		fn()
+		return
 	}
-	if len(buf) > 0 && f.draw(saltShort, t, off) < f.spec.ShortFraction {
-		f.count()
-		k := int(f.hash(saltShortLen, t, off) % uint64(len(buf)))
-		return buf[:k:k], nil
-	}
-	return buf, nil
+	time.AfterFunc(f.spec.Latency, fn)
 }
 
 func (f *faultReader) count() {

@@ -79,7 +79,9 @@ func TestParseFaultSpec(t *testing.T) {
 // that reach it.
 type memReader struct{ calls atomic.Int64 }
 
-func (r *memReader) ReadTable(t *Table, off int64, n int) ([]byte, error) {
+func (r *memReader) Submit(reads ...*TableRead) { ReaderFunc(r.read).Submit(reads...) }
+
+func (r *memReader) read(t *Table, off int64, n int) ([]byte, error) {
 	r.calls.Add(1)
 	if off < 0 || n < 0 || off > t.DataLen || int64(n) > t.DataLen-off {
 		return nil, fmt.Errorf("table %s: read [%d, +%d) outside its %d data bytes", t.Name, off, n, t.DataLen)
@@ -103,14 +105,14 @@ func TestFaultReaderPassesThrough(t *testing.T) {
 	r := NewFaultReader(inner, FaultSpec{Seed: 5}, st)
 	for _, tb := range memTables() {
 		for _, sp := range []span{{0, 0}, {0, 4096}, {12345, 999}, {tb.DataLen - 1, 1}} {
-			got, err := r.ReadTable(tb, sp.off, int(sp.n))
-			want, _ := inner.ReadTable(tb, sp.off, int(sp.n))
+			got, err := ReadTable(r, tb, sp.off, int(sp.n))
+			want, _ := ReadTable(inner, tb, sp.off, int(sp.n))
 			if err != nil || !bytes.Equal(got, want) {
 				t.Fatalf("%s [%d, +%d): %v", tb.Name, sp.off, sp.n, err)
 			}
 		}
 		// The inner reader's own errors come through unchanged.
-		if _, err := r.ReadTable(tb, tb.DataLen, 1); err == nil || !strings.Contains(err.Error(), "outside its") {
+		if _, err := ReadTable(r, tb, tb.DataLen, 1); err == nil || !strings.Contains(err.Error(), "outside its") {
 			t.Fatalf("out-of-range read: %v", err)
 		}
 	}
@@ -125,7 +127,7 @@ func TestFaultReaderEIO(t *testing.T) {
 	r := NewFaultReader(inner, FaultSpec{EIOFraction: 1}, st)
 	tb := memTables()[1]
 	for i := range 100 {
-		buf, err := r.ReadTable(tb, int64(i)*PageSize, PageSize)
+		buf, err := ReadTable(r, tb, int64(i)*PageSize, PageSize)
 		if !errors.Is(err, syscall.EIO) || buf != nil {
 			t.Fatalf("read %d: %d bytes, %v; want EIO", i, len(buf), err)
 		}
@@ -137,7 +139,7 @@ func TestFaultReaderEIO(t *testing.T) {
 		t.Fatalf("%d inner reads, %d errors counted; want 0 and 100", inner.calls.Load(), st.BackingErrors.Load())
 	}
 	// No stats to count into is fine.
-	if _, err := NewFaultReader(inner, FaultSpec{EIOFraction: 1}, nil).ReadTable(tb, 0, 1); !errors.Is(err, syscall.EIO) {
+	if _, err := ReadTable(NewFaultReader(inner, FaultSpec{EIOFraction: 1}, nil), tb, 0, 1); !errors.Is(err, syscall.EIO) {
 		t.Fatal(err)
 	}
 }
@@ -149,7 +151,7 @@ func failSet(t *testing.T, r Reader, pages int) (eio, short map[[2]int64]bool) {
 	eio, short = map[[2]int64]bool{}, map[[2]int64]bool{}
 	for _, tb := range memTables()[:2] {
 		for p := range int64(pages) {
-			buf, err := r.ReadTable(tb, p*PageSize, PageSize)
+			buf, err := ReadTable(r, tb, p*PageSize, PageSize)
 			switch {
 			case errors.Is(err, syscall.EIO):
 				eio[[2]int64{int64(tb.ID), p}] = true
@@ -228,7 +230,7 @@ func TestFaultReaderShort(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	for i := range 500 {
 		off, n := rng.Int64N(tb.DataLen-70000), rng.IntN(70000)+1
-		buf, err := r.ReadTable(tb, off, n)
+		buf, err := ReadTable(r, tb, off, n)
 		if err != nil || len(buf) >= n || cap(buf) != len(buf) {
 			t.Fatalf("read %d [%d, +%d): %d bytes (cap %d), %v; want fewer, no error", i, off, n, len(buf), cap(buf), err)
 		}
@@ -239,7 +241,7 @@ func TestFaultReaderShort(t *testing.T) {
 		}
 	}
 	// An empty read cannot be short.
-	if buf, err := r.ReadTable(tb, 10, 0); err != nil || len(buf) != 0 {
+	if buf, err := ReadTable(r, tb, 10, 0); err != nil || len(buf) != 0 {
 		t.Fatalf("empty read: %d bytes, %v", len(buf), err)
 	}
 	if st.BackingErrors.Load() != 500 || inner.calls.Load() != 501 {
@@ -253,7 +255,7 @@ func TestFaultReaderLatency(t *testing.T) {
 	tb := memTables()[0]
 	for i := range 4 {
 		start := time.Now()
-		r.ReadTable(tb, int64(i)*PageSize, PageSize)
+		ReadTable(r, tb, int64(i)*PageSize, PageSize)
 		if took := time.Since(start); took < latency {
 			t.Fatalf("read %d took %v, latency %v", i, took, latency)
 		}
@@ -288,7 +290,7 @@ func TestFaultReaderFailPages(t *testing.T) {
 		{t2, 10 * p, 100, true}, // the short last page
 		{t2, 9 * p, p, false},
 	} {
-		buf, err := r.ReadTable(c.tb, c.off, int(c.n))
+		buf, err := ReadTable(r, c.tb, c.off, int(c.n))
 		if failed := errors.Is(err, syscall.EIO); failed != c.fail || (err != nil && !failed) {
 			t.Errorf("%s [%d, +%d): %d bytes, %v; want failure %v", c.tb.Name, c.off, c.n, len(buf), err, c.fail)
 		}
@@ -298,7 +300,7 @@ func TestFaultReaderFailPages(t *testing.T) {
 	}
 	// The same page fails every time.
 	for range 3 {
-		if _, err := r.ReadTable(t1, 5*p, int(p)); !errors.Is(err, syscall.EIO) {
+		if _, err := ReadTable(r, t1, 5*p, int(p)); !errors.Is(err, syscall.EIO) {
 			t.Fatal("page 5 healed")
 		}
 	}
@@ -344,7 +346,7 @@ func TestFaultReaderOverStore(t *testing.T) {
 			for range 200 {
 				tb := m.Tables[rng.IntN(len(m.Tables))]
 				page := rng.Int64N(tb.DataLen / PageSize)
-				buf, err := r.ReadTable(tb, page*PageSize, PageSize)
+				buf, err := ReadTable(r, tb, page*PageSize, PageSize)
 				if err != nil || len(buf) != PageSize {
 					if err != nil && buf != nil {
 						t.Error("error with bytes")

@@ -25,9 +25,10 @@ const maxIndexBytes = 64 << 20
 
 // Shard is one safetensors file of the model directory.
 type Shard struct {
-	Name string // relative to the model directory
-	Path string
-	Size int64
+	Name     string // relative to the model directory
+	Path     string // the source's name for it, for messages
+	Size     int64
+	Identity Identity // as the model was loaded: the Store refuses other bytes
 }
 
 // Table is one engram table: a 2-D tensor, one row per hash bucket.
@@ -100,6 +101,18 @@ func (m *Model) LayerTables(layer int) []*Table {
 // *.safetensors file in it. Tensors whose name matches pattern (named groups
 // `layer` and `table`) become tables; every other tensor is ignored.
 func Load(dir, pattern string) (*Model, error) {
+	st, err := os.Stat(dir)
+	if err != nil {
+		return nil, fmt.Errorf("model directory: %w", err)
+	}
+	if !st.IsDir() {
+		return nil, fmt.Errorf("model directory %s: not a directory", dir)
+	}
+	return LoadSource(NewLocalSource(dir, IOBuffered, nil, nil), pattern)
+}
+
+// LoadSource reads a model from src, as Load does from a directory.
+func LoadSource(src Source, pattern string) (*Model, error) {
 	re, err := regexp.Compile(pattern)
 	if err != nil {
 		return nil, fmt.Errorf("table pattern %q: %w", pattern, err)
@@ -108,18 +121,13 @@ func Load(dir, pattern string) (*Model, error) {
 	if layerGroup < 0 || tableGroup < 0 {
 		return nil, fmt.Errorf("table pattern %q: needs named groups (?P<layer>...) and (?P<table>...)", pattern)
 	}
-	st, err := os.Stat(dir)
-	if err != nil {
-		return nil, fmt.Errorf("model directory: %w", err)
-	}
-	if !st.IsDir() {
-		return nil, fmt.Errorf("model directory %s: not a directory", dir)
-	}
+	dir := src.String()
+	join := func(name string) string { return strings.TrimSuffix(dir, "/") + "/" + name }
 
 	// tensor name -> shard name, for the tensors that are tables.
 	wanted := map[string]string{}
-	indexPath := filepath.Join(dir, IndexFile)
-	weightMap, err := readIndex(indexPath)
+	indexPath := join(IndexFile)
+	weightMap, err := readIndex(src, indexPath)
 	switch {
 	case err == nil:
 		for name, file := range weightMap {
@@ -143,40 +151,29 @@ func Load(dir, pattern string) (*Model, error) {
 		if h, ok := headers[name]; ok {
 			return h, nil
 		}
-		path := filepath.Join(dir, name)
-		f, err := os.Open(path)
+		path := join(name)
+		f, err := src.Open(name)
 		if err != nil {
-			return nil, fmt.Errorf("shard %s: %w", path, err)
+			if errors.Is(err, os.ErrNotExist) {
+				return nil, fmt.Errorf("shard %s: %w", path, err)
+			}
+			return nil, err
 		}
 		defer f.Close()
-		fi, err := f.Stat()
+		id := f.Identity()
+		h, err := ReadHeader(f, id.Size)
 		if err != nil {
 			return nil, fmt.Errorf("shard %s: %w", path, err)
 		}
-		if !fi.Mode().IsRegular() {
-			return nil, fmt.Errorf("shard %s: not a regular file", path)
-		}
-		h, err := ReadHeader(f, fi.Size())
-		if err != nil {
-			return nil, fmt.Errorf("shard %s: %w", path, err)
-		}
-		shards[name] = &Shard{Name: name, Path: path, Size: fi.Size()}
+		shards[name] = &Shard{Name: name, Path: path, Size: id.Size, Identity: id}
 		headers[name] = h
 		return h, nil
 	}
 
 	if weightMap == nil {
-		// Not filepath.Glob: a directory name may hold glob metacharacters
-		// ("model[1]"), and Glob would then match nothing.
-		entries, err := os.ReadDir(dir)
+		names, err := src.List(".safetensors")
 		if err != nil {
-			return nil, fmt.Errorf("model directory %s: %w", dir, err)
-		}
-		var names []string // sorted, as ReadDir returns them
-		for _, e := range entries {
-			if strings.HasSuffix(e.Name(), ".safetensors") {
-				names = append(names, e.Name())
-			}
+			return nil, err
 		}
 		if len(names) == 0 {
 			return nil, fmt.Errorf("model directory %s: no %s and no *.safetensors files", dir, IndexFile)
@@ -191,7 +188,7 @@ func Load(dir, pattern string) (*Model, error) {
 					continue
 				}
 				if prev, dup := wanted[tn]; dup {
-					return nil, fmt.Errorf("shard %s: tensor %q is also in shard %s", filepath.Join(dir, name), tn, filepath.Join(dir, prev))
+					return nil, fmt.Errorf("shard %s: tensor %q is also in shard %s", join(name), tn, join(prev))
 				}
 				wanted[tn] = name
 			}
@@ -294,26 +291,15 @@ func newTable(name string, layer int, kind string, ti TensorInfo, shard *Shard, 
 }
 
 // readIndex returns the weight_map of a sharded-checkpoint index.
-func readIndex(path string) (map[string]string, error) {
-	f, err := os.Open(path)
+func readIndex(src Source, path string) (map[string]string, error) {
+	b, err := src.ReadFile(IndexFile, maxIndexBytes)
 	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return nil, err
-		}
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
-	if fi.Size() > maxIndexBytes {
-		return nil, fmt.Errorf("%s: %d bytes, over the limit of %d", path, fi.Size(), maxIndexBytes)
+		return nil, err
 	}
 	var idx struct {
 		WeightMap map[string]string `json:"weight_map"`
 	}
-	if err := json.NewDecoder(f).Decode(&idx); err != nil {
+	if err := json.Unmarshal(b, &idx); err != nil {
 		return nil, fmt.Errorf("%s: not a safetensors index: %w", path, err)
 	}
 	if idx.WeightMap == nil {

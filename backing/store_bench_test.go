@@ -46,7 +46,7 @@ func BenchmarkReadTablePage(b *testing.B) {
 				if qd == 1 {
 					rng := rand.New(rand.NewPCG(1, 2))
 					for b.Loop() {
-						if _, err := s.ReadTable(tb, rng.Int64N(pages)*PageSize, PageSize); err != nil {
+						if _, err := ReadTable(s, tb, rng.Int64N(pages)*PageSize, PageSize); err != nil {
 							b.Fatal(err)
 						}
 					}
@@ -56,7 +56,7 @@ func BenchmarkReadTablePage(b *testing.B) {
 					b.RunParallel(func(pb *testing.PB) {
 						rng := rand.New(rand.NewPCG(seed.Add(1), 2))
 						for pb.Next() {
-							if _, err := s.ReadTable(tb, rng.Int64N(pages)*PageSize, PageSize); err != nil {
+							if _, err := ReadTable(s, tb, rng.Int64N(pages)*PageSize, PageSize); err != nil {
 								b.Error(err)
 								return
 							}

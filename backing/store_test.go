@@ -9,13 +9,13 @@ import (
 	"os"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -43,7 +43,7 @@ func loadSynth(t testing.TB, spec SynthSpec) *Model {
 func openStore(t testing.TB, m *Model, mode IOMode, queueDepth int) (*Store, *stats.Counters) {
 	t.Helper()
 	st := &stats.Counters{}
-	s, err := Open(m, mode, queueDepth, st)
+	s, err := openWith(t, m, mode, queueDepth, st)
 	if mode == IODirect && errors.Is(err, unix.EINVAL) {
 		t.Skipf("O_DIRECT refused here: %v", err)
 	}
@@ -68,9 +68,21 @@ func shardBytes(t testing.TB, m *Model) map[*Shard][]byte {
 	return out
 }
 
+// openWith opens m's shards in mode through a read engine of queueDepth
+// (io_uring where it works), closed with the test.
+func openWith(t testing.TB, m *Model, mode IOMode, queueDepth int, st *stats.Counters) (*Store, error) {
+	t.Helper()
+	eng, _, err := ioengine.New("auto", queueDepth)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close() })
+	return Open(m, NewLocalSource(m.Dir, mode, eng, st), st)
+}
+
 // directWorks reports whether m's shards open with O_DIRECT here.
 func directWorks(t *testing.T, m *Model) bool {
-	s, err := Open(m, IODirect, 1, &stats.Counters{})
+	s, err := openWith(t, m, IODirect, 1, &stats.Counters{})
 	if err != nil {
 		return false
 	}
@@ -114,7 +126,7 @@ func TestReadTableBytes(t *testing.T) {
 				key := NameKey(1, tb.Name)
 				for _, sp := range readSpans(tb, rng) {
 					before := st.Snapshot()
-					got, err := s.ReadTable(tb, sp.off, int(sp.n))
+					got, err := ReadTable(s, tb, sp.off, int(sp.n))
 					if err != nil {
 						t.Fatalf("%s [%d, +%d): %v", tb.Name, sp.off, sp.n, err)
 					}
@@ -148,7 +160,7 @@ func checkReadStats(t *testing.T, s *Store, tb *Table, sp span, before, after st
 		}
 		return
 	}
-	align := s.files[tb.Shard].align
+	align := s.files[tb.Shard].(*localShard).align
 	if got < sp.n || got > sp.n+2*align || got%align != 0 {
 		t.Fatalf("%s [%d, +%d): direct read counted %d bytes, want a multiple of %d in [n, n+2*%d]", tb.Name, sp.off, sp.n, got, align, align)
 	}
@@ -170,7 +182,7 @@ func TestReadTableConcurrent(t *testing.T) {
 						tb := m.Tables[rng.IntN(len(m.Tables))]
 						off := rng.Int64N(tb.DataLen)
 						n := rng.Int64N(min(tb.DataLen-off, 2*PageSize)) + 1
-						got, err := s.ReadTable(tb, off, int(n))
+						got, err := ReadTable(s, tb, off, int(n))
 						if err != nil {
 							errs <- err
 							return
@@ -194,61 +206,6 @@ func TestReadTableConcurrent(t *testing.T) {
 	}
 }
 
-// The queue depth bounds the reads in flight: with every read held inside
-// its slot, exactly queueDepth are in, the rest wait.
-func TestReadTableQueueDepth(t *testing.T) {
-	m := loadSynth(t, storeSynth())
-	const queueDepth, readers = 3, 16
-	s, st := openStore(t, m, IOBuffered, queueDepth)
-	var in, most atomic.Int32
-	release := make(chan struct{})
-	s.readHook = func() {
-		n := in.Add(1)
-		for {
-			cur := most.Load()
-			if n <= cur || most.CompareAndSwap(cur, n) {
-				break
-			}
-		}
-		<-release
-		in.Add(-1)
-	}
-	var wg sync.WaitGroup
-	errs := make(chan error, readers)
-	for i := range readers {
-		wg.Go(func() {
-			tb := m.Tables[i%len(m.Tables)]
-			if _, err := s.ReadTable(tb, int64(i)*64, 64); err != nil {
-				errs <- err
-			}
-		})
-	}
-	deadline := time.Now().Add(10 * time.Second)
-	for in.Load() < queueDepth {
-		if time.Now().After(deadline) {
-			t.Fatalf("only %d reads got in, queue depth %d", in.Load(), queueDepth)
-		}
-		time.Sleep(time.Millisecond)
-	}
-	time.Sleep(50 * time.Millisecond) // room for a wrong extra read to get in
-	if n := in.Load(); n != queueDepth {
-		t.Fatalf("%d reads in flight, queue depth %d", n, queueDepth)
-	}
-	if r := st.BackingReads.Load(); r != 0 {
-		t.Fatalf("%d preads before any slot was released", r)
-	}
-	close(release)
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
-	if most.Load() != queueDepth || st.BackingReads.Load() != readers {
-		t.Fatalf("at most %d in flight, %d reads; want %d and %d", most.Load(), st.BackingReads.Load(), queueDepth, readers)
-	}
-}
-
-// A shard that changes under the mount yields errors, never bytes.
 func TestReadTableShardChanged(t *testing.T) {
 	cases := []struct {
 		name   string
@@ -292,12 +249,12 @@ func TestReadTableShardChanged(t *testing.T) {
 				m := loadSynth(t, storeSynth())
 				tb := m.Tables[1] // layer 0 weight: the unrelated tensor precedes it, then scale follows
 				s, st := openStore(t, m, mode, 2)
-				if _, err := s.ReadTable(tb, 0, 4096); err != nil {
+				if _, err := ReadTable(s, tb, 0, 4096); err != nil {
 					t.Fatalf("before the change: %v", err)
 				}
 				c.change(t, tb)
 				for try := range 2 { // and again: nothing is remembered
-					buf, err := s.ReadTable(tb, c.off(tb), int(c.n(tb)))
+					buf, err := ReadTable(s, tb, c.off(tb), int(c.n(tb)))
 					if !errors.Is(err, ErrShardChanged) {
 						t.Fatalf("try %d: got %d bytes, error %v; want ErrShardChanged", try, len(buf), err)
 					}
@@ -325,7 +282,7 @@ func TestReadTableOutOfRange(t *testing.T) {
 	l := tb.DataLen
 	for _, sp := range []span{{-1, 1}, {0, -1}, {l, 1}, {l - 1, 2}, {l + 1, 0}, {0, l + 1},
 		{math.MaxInt64, 10}, {math.MaxInt64 - 5, 10}, {10, math.MaxInt}, {math.MinInt64, 1}} {
-		buf, err := s.ReadTable(tb, sp.off, int(sp.n))
+		buf, err := ReadTable(s, tb, sp.off, int(sp.n))
 		if err == nil || buf != nil {
 			t.Fatalf("[%d, +%d) of a %d-byte table: got %d bytes, %v", sp.off, sp.n, l, len(buf), err)
 		}
@@ -339,18 +296,12 @@ func TestReadTableOutOfRange(t *testing.T) {
 }
 
 func TestOpenRefuses(t *testing.T) {
-	t.Run("queue-depth", func(t *testing.T) {
-		m := loadSynth(t, smallSynth())
-		if s, err := Open(m, IOBuffered, 0, &stats.Counters{}); err == nil || !strings.Contains(err.Error(), "queue depth 0") {
-			t.Fatalf("got %v, %v", s, err)
-		}
-	})
 	for _, mode := range []IOMode{IODirect, IOBuffered, IOAuto} {
 		t.Run("changed-since-load/"+string(mode), func(t *testing.T) {
 			m := loadSynth(t, smallSynth())
 			sh := m.Shards[1]
 			truncate(t, sh.Path, sh.Size-1)
-			s, err := Open(m, mode, 1, &stats.Counters{})
+			s, err := openWith(t, m, mode, 1, &stats.Counters{})
 			if mode == IODirect && errors.Is(err, unix.EINVAL) {
 				t.Skip(err)
 			}
@@ -362,7 +313,7 @@ func TestOpenRefuses(t *testing.T) {
 			m := loadSynth(t, smallSynth())
 			sh := m.Shards[0]
 			os.Remove(sh.Path)
-			s, err := Open(m, mode, 1, &stats.Counters{})
+			s, err := openWith(t, m, mode, 1, &stats.Counters{})
 			if !errors.Is(err, os.ErrNotExist) || !strings.Contains(err.Error(), sh.Path) {
 				t.Fatalf("got %v, %v; want not-exist naming %s", s, err, sh.Path)
 			}
@@ -385,15 +336,15 @@ func TestParseIOMode(t *testing.T) {
 
 func TestStoreClose(t *testing.T) {
 	m := loadSynth(t, smallSynth())
-	s, err := Open(m, IOAuto, 2, &stats.Counters{})
+	s, err := openWith(t, m, IOAuto, 2, &stats.Counters{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
-	buf, err := s.ReadTable(m.Tables[0], 0, 8)
-	if err == nil || buf != nil || !strings.Contains(err.Error(), "not open") {
+	buf, err := ReadTable(s, m.Tables[0], 0, 8)
+	if !errors.Is(err, ErrClosed) || buf != nil {
 		t.Fatalf("read after Close: %d bytes, %v", len(buf), err)
 	}
 }
@@ -414,7 +365,7 @@ func TestReadTableLeavesNoShardPages(t *testing.T) {
 			res := mapShards(t, m)
 			for _, tb := range m.Tables {
 				for _, sp := range []span{{3 * PageSize, PageSize}, {5 * PageSize, 3 * PageSize}, {100, 12}, {tb.DataLen - 12, 12}} {
-					if _, err := s.ReadTable(tb, sp.off, int(sp.n)); err != nil {
+					if _, err := ReadTable(s, tb, sp.off, int(sp.n)); err != nil {
 						t.Fatal(err)
 					}
 					if n := res.resident(t, tb.Shard); n != 0 {

@@ -3,6 +3,7 @@ package cache
 import (
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/internal/stats"
@@ -12,6 +13,15 @@ import (
 // disk streaming, small enough that one run does not hold a queue slot for
 // long.
 const MaxRunPages = 256
+
+// NegativeTTL is how long a page whose backing read failed fails again at
+// once, without a new read: a reader that retries a bad page (a fault
+// restarts when a signal interrupts it) must not turn one bad sector into
+// thousands of reads (seen: ~20K FUSE and backing reads in 100 s).
+const NegativeTTL = time.Second
+
+// maxNegative bounds the pages remembered as failed.
+const maxNegative = 1 << 16
 
 // Origin says who asked for a page; the loader uses it to count late
 // prefetches (a fault that caught a prefetch still in flight).
@@ -24,30 +34,57 @@ const (
 	OriginPrefetch
 )
 
+// Run is file pages [First, First+N) of table Table.
+type Run struct {
+	Table uint32
+	First uint64
+	N     uint64
+}
+
+// FetchDone receives the outcome of part of a fetch: the pages of run r
+// (one slice per page, the last page of a file may be short), or err for
+// all of them (pages is nil then). It is called from the read engine's
+// completion goroutine, or from Fetch itself: it must not block.
+type FetchDone func(r Run, pages [][]byte, err error)
+
 // Loader is the read-through page loader of every table file: the fault path
 // and the prefetch path both go through it, so a page is read from backing
 // once even when a fault and a hint want it at the same moment
 // (singleflight per page). It keeps no data: the kernel page cache is the
-// cache, the loader only owns reads in flight.
+// cache, the loader only owns reads in flight, and remembers for a second
+// the pages that failed.
 type Loader struct {
 	src    backing.Reader
 	tables []*backing.Table
 	st     *stats.Counters
+	now    func() time.Time // tests move the clock
 
-	mu      sync.Mutex
-	flights map[PageKey]*flight // GUARDED_BY(mu)
+	mu       sync.Mutex
+	flights  map[PageKey]*flight     // GUARDED_BY(mu)
+	negative map[PageKey]negativeHit // GUARDED_BY(mu)
 }
 
+// flight is one page being read, and the fetches that wait for it.
 type flight struct {
-	done   chan struct{}
-	origin Origin
-	data   []byte // set before done closes
-	err    error  // set before done closes
+	origin  Origin
+	waiters []*fetch
+}
+
+// fetch is one run of one Fetch call.
+type fetch struct {
+	run  Run
+	done FetchDone
+}
+
+type negativeHit struct {
+	err   error
+	until time.Time
 }
 
 // NewLoader reads the pages of tables through src.
 func NewLoader(src backing.Reader, tables []*backing.Table, st *stats.Counters) *Loader {
-	return &Loader{src: src, tables: tables, st: st, flights: map[PageKey]*flight{}}
+	return &Loader{src: src, tables: tables, st: st, now: time.Now,
+		flights: map[PageKey]*flight{}, negative: map[PageKey]negativeHit{}}
 }
 
 // Table returns table id, or nil.
@@ -59,104 +96,202 @@ func (l *Loader) Table(id uint32) *backing.Table {
 }
 
 // Load returns the data of file pages [first, first+n) of table id, one
-// slice per page (the last page of a file may be short). Header pages are
-// not the loader's business: first must be at least the table's DataPage.
-// Pages another caller is already reading are waited for, not read again;
-// the rest are read in runs of adjacent pages, one backing read per run.
-// The returned slices must not be modified. When some pages fail, the error
-// is the first failure and exactly the failed pages are nil.
-//
-// LOCKS_EXCLUDED(l.mu)
+// slice per page, and waits for them: it is Fetch for a single run, made
+// synchronous for the fault path. When some pages fail, the error is the
+// first failure and exactly the failed pages are nil. The returned slices
+// must not be modified.
 func (l *Loader) Load(id uint32, first, n uint64, origin Origin) ([][]byte, error) {
-	t := l.Table(id)
-	if t == nil {
-		return nil, fmt.Errorf("no table %d", id)
-	}
-	if first < t.DataPage() || first+n > t.Pages() || first+n < first {
-		return nil, fmt.Errorf("table %s: pages [%d, +%d) outside data pages [%d, %d)", t.Name, first, n, t.DataPage(), t.Pages())
-	}
-	fl := make([]*flight, n)
-	mine := make([]bool, n)
-	l.mu.Lock()
-	for i := range fl {
-		k := PageKey{Table: id, Page: first + uint64(i)}
-		if f, ok := l.flights[k]; ok {
-			fl[i] = f
-			if origin == OriginFault && f.origin == OriginPrefetch {
-				l.st.PrefetchLate.Add(1)
-			}
-			continue
-		}
-		f := &flight{done: make(chan struct{}), origin: origin}
-		l.flights[k] = f
-		fl[i], mine[i] = f, true
-	}
-	l.mu.Unlock()
-
-	// Read our runs; a failed run fails only its own pages.
-	for i := 0; i < len(fl); {
-		if !mine[i] {
-			i++
-			continue
-		}
-		j := i + 1
-		for j < len(fl) && mine[j] && j-i < MaxRunPages {
-			j++
-		}
-		l.readRun(t, id, first+uint64(i), fl[i:j])
-		i = j
-	}
-
 	out := make([][]byte, n)
-	var firstErr error
-	for i, f := range fl {
-		<-f.done
-		if f.err != nil && firstErr == nil {
-			firstErr = f.err
+	var (
+		mu       sync.Mutex
+		pending  = n
+		firstErr error
+		ready    = make(chan struct{})
+	)
+	l.Fetch([]Run{{Table: id, First: first, N: n}}, origin, func(r Run, pages [][]byte, err error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if err != nil && firstErr == nil {
+			firstErr = err
 		}
-		out[i] = f.data
-	}
+		if pages != nil {
+			copy(out[r.First-first:], pages)
+		}
+		if pending -= r.N; pending == 0 {
+			close(ready)
+		}
+	})
+	<-ready
+	mu.Lock()
+	defer mu.Unlock()
 	return out, firstErr
 }
 
-// readRun reads pages [first, first+len(fl)) with one backing read and
-// completes their flights.
-func (l *Loader) readRun(t *backing.Table, id uint32, first uint64, fl []*flight) {
-	dataOff := int64(first-t.DataPage()) * PageSize
-	length := min(int64(len(fl))*PageSize, t.DataLen-dataOff)
-	buf, err := l.read(t, dataOff, length)
-	if err != nil && len(fl) > 1 {
-		// One bad page must not fail its neighbours: read the run again a
-		// page at a time, so the good pages of a hint still land.
-		for i := range fl {
-			lo := dataOff + int64(i)*PageSize
-			fl[i].data, fl[i].err = l.read(t, lo, min(PageSize, t.DataLen-lo))
+// Fetch starts loading runs and calls done for every page, exactly once,
+// as parts of a run complete (a part is a run of adjacent pages that one
+// backing read answered). Header pages are not the loader's business: every
+// run must lie in its table's data pages, or done gets an error for it.
+// Pages another caller is already reading are waited for, not read again;
+// a page that failed less than NegativeTTL ago fails again at once; the
+// rest are read in runs of up to MaxRunPages adjacent pages, every read of
+// the call submitted to backing at once.
+//
+// LOCKS_EXCLUDED(l.mu)
+func (l *Loader) Fetch(runs []Run, origin Origin, done FetchDone) {
+	var reads []*backing.TableRead
+	type failure struct {
+		f   *fetch
+		i   uint64
+		err error
+	}
+	var failed []failure
+	now := l.now()
+	for _, r := range runs {
+		t := l.Table(r.Table)
+		if t == nil || r.N == 0 || r.First < t.DataPage() || r.First+r.N > t.Pages() || r.First+r.N < r.First {
+			done(r, nil, fmt.Errorf("pages [%d, +%d) of table %d: outside its data pages", r.First, r.N, r.Table))
+			continue
 		}
-	} else {
-		for i, f := range fl {
-			lo := int64(i) * PageSize
-			if err != nil {
-				f.err = err
-			} else {
-				f.data = buf[lo:min(lo+PageSize, length):min(lo+PageSize, length)]
+		f := &fetch{run: r, done: done}
+		l.mu.Lock()
+		mine := uint64(0) // length of the current run of pages this call reads
+		for i := uint64(0); i < r.N; i++ {
+			k := PageKey{Table: r.Table, Page: r.First + i}
+			if fl, ok := l.flights[k]; ok {
+				fl.waiters = append(fl.waiters, f)
+				if origin == OriginFault && fl.origin == OriginPrefetch {
+					l.st.PrefetchLate.Add(1)
+				}
+				reads = l.appendRead(reads, t, k.Page-mine, mine)
+				mine = 0
+				continue
+			}
+			if neg, ok := l.negative[k]; ok {
+				if now.Before(neg.until) {
+					l.st.BackingFailFast.Add(1)
+					failed = append(failed, failure{f, i, neg.err})
+					reads = l.appendRead(reads, t, k.Page-mine, mine)
+					mine = 0
+					continue
+				}
+				delete(l.negative, k)
+			}
+			l.flights[k] = &flight{origin: origin, waiters: []*fetch{f}}
+			if mine++; mine == MaxRunPages {
+				reads = l.appendRead(reads, t, k.Page+1-mine, mine)
+				mine = 0
 			}
 		}
+		reads = l.appendRead(reads, t, r.First+r.N-mine, mine)
+		l.mu.Unlock()
 	}
-	l.mu.Lock()
-	for i := range fl {
-		delete(l.flights, PageKey{Table: id, Page: first + uint64(i)})
+	for _, fl := range failed {
+		fl.f.done(Run{Table: fl.f.run.Table, First: fl.f.run.First + fl.i, N: 1}, nil, fl.err)
 	}
-	l.mu.Unlock()
-	for _, f := range fl {
-		close(f.done)
+	if len(reads) > 0 {
+		l.src.Submit(reads...)
 	}
 }
 
-// read is one backing read; a short result is an error, never data.
-func (l *Loader) read(t *backing.Table, off, n int64) ([]byte, error) {
-	buf, err := l.src.ReadTable(t, off, int(n))
-	if err == nil && int64(len(buf)) != n {
-		return nil, fmt.Errorf("table %s: backing returned %d of %d bytes at %d", t.Name, len(buf), n, off)
+// appendRead adds the backing read of pages [first, first+n) of t, if n > 0.
+func (l *Loader) appendRead(reads []*backing.TableRead, t *backing.Table, first, n uint64) []*backing.TableRead {
+	if n == 0 {
+		return reads
 	}
-	return buf, err
+	off := int64(first-t.DataPage()) * PageSize
+	length := min(int64(n)*PageSize, t.DataLen-off)
+	return append(reads, &backing.TableRead{Table: t, Off: off, Len: int(length), Done: func(data []byte, err error) {
+		l.readDone(t, first, n, length, data, err)
+	}})
+}
+
+// readDone settles the pages of one backing read. A page-specific failure
+// of a run of several pages is read again a page at a time, so that one bad
+// page fails only itself; each page's waiters hear as soon as its own read
+// answers.
+func (l *Loader) readDone(t *backing.Table, first, n uint64, length int64, data []byte, err error) {
+	if err == nil && int64(len(data)) != length {
+		err = fmt.Errorf("table %s: backing returned %d of %d bytes at page %d", t.Name, len(data), length, first)
+	}
+	if err != nil && n > 1 && backing.PageError(err) {
+		var reads []*backing.TableRead
+		for i := range n {
+			reads = l.appendRead(reads, t, first+i, 1)
+		}
+		l.src.Submit(reads...)
+		return
+	}
+	pages := make([][]byte, n)
+	if err == nil {
+		for i := range pages {
+			lo := int64(i) * PageSize
+			hi := min(lo+PageSize, length)
+			pages[i] = data[lo:hi:hi]
+		}
+	}
+	l.settle(t.ID, first, pages, err)
+}
+
+// settle ends the flights of pages [first, first+len(pages)) of table and
+// tells their waiters, a call per run of adjacent pages of each fetch.
+//
+// LOCKS_EXCLUDED(l.mu)
+func (l *Loader) settle(table uint32, first uint64, pages [][]byte, err error) {
+	waiting := make([][]*fetch, len(pages))
+	l.mu.Lock()
+	for i := range pages {
+		k := PageKey{Table: table, Page: first + uint64(i)}
+		if fl, ok := l.flights[k]; ok {
+			waiting[i] = fl.waiters
+			delete(l.flights, k)
+		}
+		if err != nil && backing.PageError(err) && len(pages) == 1 {
+			l.remember(k, err)
+		}
+	}
+	l.mu.Unlock()
+	// One call per part: a part grows while the same fetch waits for the
+	// next page too.
+	type part struct{ lo, n uint64 } // page indexes of this read
+	open := map[*fetch]*part{}
+	flush := func(f *fetch, p *part) {
+		r := Run{Table: table, First: first + p.lo, N: p.n}
+		if err != nil {
+			f.done(r, nil, err)
+		} else {
+			f.done(r, pages[p.lo:p.lo+p.n:p.lo+p.n], nil)
+		}
+	}
+	for i, ws := range waiting {
+		for _, f := range ws {
+			if p, ok := open[f]; ok && p.lo+p.n == uint64(i) {
+				p.n++
+				continue
+			} else if ok {
+				flush(f, p)
+			}
+			open[f] = &part{lo: uint64(i), n: 1}
+		}
+	}
+	for f, p := range open {
+		flush(f, p)
+	}
+}
+
+// remember puts k in the negative cache.
+//
+// REQUIRES(l.mu)
+func (l *Loader) remember(k PageKey, err error) {
+	now := l.now()
+	if len(l.negative) >= maxNegative {
+		for nk, hit := range l.negative {
+			if !now.Before(hit.until) {
+				delete(l.negative, nk)
+			}
+		}
+		if len(l.negative) >= maxNegative {
+			return // a flood of bad pages: they are read again, never wrong
+		}
+	}
+	l.negative[k] = negativeHit{err: err, until: now.Add(NegativeTTL)}
 }

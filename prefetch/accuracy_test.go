@@ -161,9 +161,11 @@ func TestRefaultedCountsEachHintOnce(t *testing.T) {
 // blockingReader holds every read until release is closed.
 type blockingReader struct{ release chan struct{} }
 
-func (b blockingReader) ReadTable(t *backing.Table, off int64, n int) ([]byte, error) {
-	<-b.release
-	return make([]byte, n), nil
+func (b blockingReader) Submit(reads ...*backing.TableRead) {
+	backing.ReaderFunc(func(t *backing.Table, off int64, n int) ([]byte, error) {
+		<-b.release
+		return make([]byte, n), nil
+	}).Submit(reads...)
 }
 
 func TestDroppedCountedByLayer(t *testing.T) {

@@ -17,8 +17,10 @@ import (
 // scheduler (queues, dedup, claims, merges), not the disk.
 type memReader struct{ buf []byte }
 
-func (m memReader) ReadTable(t *backing.Table, off int64, n int) ([]byte, error) {
-	return m.buf[:n:n], nil
+func (m memReader) Submit(reads ...*backing.TableRead) {
+	for _, r := range reads {
+		r.Done(m.buf[:r.Len:r.Len], nil)
+	}
 }
 
 type countingPusher struct{ pages atomic.Uint64 }

@@ -6,7 +6,6 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"runtime"
 	"sync"
 	"syscall"
 	"time"
@@ -16,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/fs"
 	"github.com/engramfs/engramfs/internal/metrics"
@@ -30,6 +30,7 @@ type mountFlags struct {
 	tablePattern string
 	queueDepth   int
 	backingIO    string
+	readEngine   string
 	prefillQueue int
 	cacheSize    string
 	injectFaults string
@@ -50,6 +51,8 @@ func (f *mountFlags) register(fl interface {
 	fl.IntVar(&f.queueDepth, "queue-depth", 64, "backing reads in flight at most, across all shards")
 	fl.StringVar(&f.backingIO, "backing-io", "auto",
 		"how shards are read: direct (O_DIRECT, no backing page cache), buffered (FADV_RANDOM, FADV_DONTNEED after each read), or auto (direct where the filesystem accepts it)")
+	fl.StringVar(&f.readEngine, "read-engine", "auto",
+		"how backing reads are issued: io_uring (many reads per system call, many completions per wake-up), pread (a pool of --queue-depth threads), or auto (io_uring where the kernel and sandbox allow it, else pread; the choice is logged and shown as read_engine in stats)")
 	fl.StringVar(&f.cacheSize, "cache-size", "1GiB",
 		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off")
 	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultConfig(1).PrefillQueuePages,
@@ -96,7 +99,6 @@ files. Must run as root (or with the right to mount FUSE directly).`)
 	if err != nil {
 		return err
 	}
-	raiseGOMAXPROCS(mf.queueDepth, log)
 	defer log.Sync() //nolint:errcheck
 	sig := make(chan os.Signal, 2)
 	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
@@ -161,6 +163,7 @@ func watchMountpoint(mountpoint string) <-chan struct{} {
 type daemon struct {
 	srv     *fs.Server
 	store   *backing.Store
+	engine  ioengine.Engine
 	pf      *prefetch.Prefetcher
 	hot     *cache.HotCache
 	st      *stats.Counters
@@ -207,16 +210,30 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 			_ = reg.Close()
 		}
 	}
-	store, err := backing.Open(model, mode, mf.queueDepth, st)
+	engine, why, err := ioengine.New(mf.readEngine, mf.queueDepth)
 	if err != nil {
 		closeMetrics()
+		return nil, usageError{fmt.Errorf("--read-engine %s: %w", mf.readEngine, err)}
+	}
+	if why != "" {
+		log.Warn("io_uring unavailable: reading shards with a pread worker pool", zap.String("reason", why))
+	}
+	st.ReadEngine = engine.Name()
+	store, err := backing.Open(model, backing.NewLocalSource(modelDir, mode, engine, st), st)
+	if err != nil {
+		engine.Close()
+		closeMetrics()
 		return nil, err
+	}
+	closeStore := func() {
+		store.Close()
+		engine.Close()
 	}
 	var src backing.Reader = store
 	if mf.injectFaults != "" {
 		spec, err := backing.ParseFaultSpec(mf.injectFaults)
 		if err != nil {
-			store.Close()
+			closeStore()
 			closeMetrics()
 			return nil, usageError{err}
 		}
@@ -226,7 +243,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 	loader := cache.NewLoader(src, model.Tables, st)
 	hot, err := newHotCache(model, mountpoint, mf.cacheSize, st, log)
 	if err != nil {
-		store.Close()
+		closeStore()
 		closeMetrics()
 		return nil, err
 	}
@@ -244,12 +261,12 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 	if err != nil {
 		pf.Close()
 		hot.Close()
-		store.Close()
+		closeStore()
 		closeMetrics()
 		return nil, err
 	}
 	pusher.bind(srv)
-	d := &daemon{srv: srv, store: store, pf: pf, hot: hot, st: st, model: model, metrics: reg, log: log,
+	d := &daemon{srv: srv, store: store, engine: engine, pf: pf, hot: hot, st: st, model: model, metrics: reg, log: log,
 		prefillQueue: mf.prefillQueue, stateFile: mf.stateFile}
 	// Ready means a reader can use the tree: check it answers, through the
 	// kernel, before saying so (to the log, the service manager and the
@@ -272,7 +289,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		zap.String("model", modelDir), zap.String("mountpoint", mountpoint),
 		zap.Int("tables", len(model.Tables)), zap.Int("layers", len(model.Layers)),
 		zap.Int("shards", len(model.Shards)), zap.Int("shards_direct_io", direct),
-		zap.Int("queue_depth", mf.queueDepth),
+		zap.Int("queue_depth", mf.queueDepth), zap.String("read_engine", engine.Name()),
 		zap.Int64("cache_bytes", st.CacheCapacityBytes.Load()), zap.Bool("cache_pinned", st.CachePinned.Load()),
 		zap.Int("pid", os.Getpid()))
 	return d, nil
@@ -381,6 +398,7 @@ func (d *daemon) stop(unmount bool) error {
 	if cerr := d.store.Close(); cerr != nil {
 		d.log.Warn("closing shards", zap.Error(cerr))
 	}
+	_ = d.engine.Close()
 	if d.metrics != nil {
 		_ = d.metrics.Close()
 	}
@@ -441,19 +459,4 @@ func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, 
 		files[i] = cache.TableFile{Path: filepath.Join(abs, t.Path()), Size: t.FileSize}
 	}
 	return cache.NewHotCache(capacity, cache.NewPinner(files, log), st, log), nil
-}
-
-// raiseGOMAXPROCS gives the daemon a P for every backing read in flight
-// (unless GOMAXPROCS is set): a goroutine blocked in pread or in a FUSE
-// read holds its P until the runtime notices, so with one P per core (2
-// here) few reads were in flight. Measured by engramfs bench on 2 cores:
-// prefetch 12K -> 46K backing reads/s, decode step with hints 10.8 -> 6.0 ms.
-func raiseGOMAXPROCS(queueDepth int, log *zap.Logger) {
-	if os.Getenv("GOMAXPROCS") != "" {
-		return
-	}
-	if n := queueDepth + 4; n > runtime.GOMAXPROCS(0) {
-		runtime.GOMAXPROCS(n)
-		log.Debug("GOMAXPROCS raised to the queue depth", zap.Int("gomaxprocs", n))
-	}
 }

@@ -35,9 +35,10 @@ var statMetrics = map[string]statMetric{
 	"fuse_reads":      {"fuse_reads_total", counter, "READ requests on table files that reached FUSE (page faults and read(2) misses)."},
 	"fuse_read_bytes": {"fuse_read_bytes_total", counter, "Bytes returned by READ requests on table files."},
 
-	"backing_reads":  {"backing_reads_total", counter, "Reads of shard files (one per coalesced run of adjacent pages)."},
-	"backing_bytes":  {"backing_bytes_total", counter, "Bytes read from shard files, O_DIRECT alignment included."},
-	"backing_errors": {"backing_errors_total", counter, "Shard reads that failed (I/O error, short read, shard changed since mount)."},
+	"backing_reads":     {"backing_reads_total", counter, "Reads of shard files (one per coalesced run of adjacent pages)."},
+	"backing_bytes":     {"backing_bytes_total", counter, "Bytes read from shard files, O_DIRECT alignment included."},
+	"backing_errors":    {"backing_errors_total", counter, "Shard reads that failed (I/O error, short read, shard changed since mount)."},
+	"backing_fail_fast": {"backing_fail_fast_total", counter, "Pages failed at once, without a read, because their read failed less than a second ago."},
 
 	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the pinned hot tier after clamping to RLIMIT_MEMLOCK."},
 	"cache_used_bytes":     {"cache_used_bytes", gauge, "Bytes of table pages locked in the page cache now."},
@@ -64,8 +65,9 @@ var statMetrics = map[string]statMetric{
 
 // notExported are stats fields with no metric of their own, and why.
 var notExported = map[string]string{
-	"pid":    "an identity, not a measurement (process_* metrics come from the process collector)",
-	"layers": "exported by layer as hint_pages_*_total{layer}",
+	"pid":         "an identity, not a measurement (process_* metrics come from the process collector)",
+	"read_engine": "a setting, not a measurement (logged at mount)",
+	"layers":      "exported by layer as hint_pages_*_total{layer}",
 }
 
 // Per-layer hint accuracy (the "layers" object of the stats), labelled by layer.

@@ -23,6 +23,12 @@ type Counters struct {
 	BackingReads  atomic.Uint64 // pread calls on shard files (one per coalesced run)
 	BackingBytes  atomic.Uint64 // bytes asked of the shard files (the aligned superset under O_DIRECT)
 	BackingErrors atomic.Uint64 // runs that failed (I/O error, short read, shard changed)
+	// BackingFailFast counts pages failed again at once because their read
+	// failed less than a second ago (the loader's negative cache).
+	BackingFailFast atomic.Uint64
+	// ReadEngine is how backing reads are issued: io_uring or pread. Set
+	// once, before the counters are shared.
+	ReadEngine string
 
 	// Hot tier (cache).
 	CacheCapacityBytes atomic.Int64  // --cache-size
@@ -102,9 +108,11 @@ type Snapshot struct {
 	FuseReads     uint64 `json:"fuse_reads"`
 	FuseReadBytes uint64 `json:"fuse_read_bytes"`
 
-	BackingReads  uint64 `json:"backing_reads"`
-	BackingBytes  uint64 `json:"backing_bytes"`
-	BackingErrors uint64 `json:"backing_errors"`
+	BackingReads    uint64 `json:"backing_reads"`
+	BackingBytes    uint64 `json:"backing_bytes"`
+	BackingErrors   uint64 `json:"backing_errors"`
+	BackingFailFast uint64 `json:"backing_fail_fast"`
+	ReadEngine      string `json:"read_engine,omitempty"`
 
 	CacheCapacityBytes int64  `json:"cache_capacity_bytes"`
 	CacheUsedBytes     int64  `json:"cache_used_bytes"`
@@ -144,9 +152,11 @@ func (c *Counters) Snapshot() Snapshot {
 		FuseReads:     c.FuseReads.Load(),
 		FuseReadBytes: c.FuseReadBytes.Load(),
 
-		BackingReads:  c.BackingReads.Load(),
-		BackingBytes:  c.BackingBytes.Load(),
-		BackingErrors: c.BackingErrors.Load(),
+		BackingReads:    c.BackingReads.Load(),
+		BackingBytes:    c.BackingBytes.Load(),
+		BackingErrors:   c.BackingErrors.Load(),
+		BackingFailFast: c.BackingFailFast.Load(),
+		ReadEngine:      c.ReadEngine,
 
 		CacheCapacityBytes: c.CacheCapacityBytes.Load(),
 		CacheUsedBytes:     c.CacheUsedBytes.Load(),
