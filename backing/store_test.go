@@ -276,6 +276,23 @@ func TestReadTableShardChanged(t *testing.T) {
 				t.Fatal(err)
 			}
 		}, func(*Table) int64 { return 0 }, func(*Table) int64 { return 4096 }},
+		// cp --preserve=timestamps, rsync -t --inplace: new bytes, the old
+		// size and mtime. Only ctime tells.
+		{"rewritten-mtime-restored", func(t *testing.T, tb *Table) {
+			fi, err := os.Stat(tb.Shard.Path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			f, err := os.OpenFile(tb.Shard.Path, os.O_WRONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			f.WriteAt(bytes.Repeat([]byte{0xEE}, 8192), tb.DataStart)
+			f.Close()
+			if err := os.Chtimes(tb.Shard.Path, fi.ModTime(), fi.ModTime()); err != nil {
+				t.Fatal(err)
+			}
+		}, func(*Table) int64 { return 0 }, func(*Table) int64 { return 4096 }},
 		{"touched", func(t *testing.T, tb *Table) {
 			past := time.Unix(1_000_000_000, 0)
 			if err := os.Chtimes(tb.Shard.Path, past, past); err != nil {
