@@ -259,6 +259,43 @@ func (sf *localShard) Submit(reads ...*ShardRead) {
 	sf.engine.Submit(reqs...)
 }
 
+// ReadSync runs reads with pread on the calling goroutine.
+func (sf *localShard) ReadSync(reads ...*ShardRead) {
+	sf.mu.RLock()
+	closed := sf.closed
+	if !closed {
+		sf.inflight.Add(1)
+	}
+	sf.mu.RUnlock()
+	if closed {
+		for _, r := range reads {
+			r.Done(nil, fmt.Errorf("shard %s: %w", sf.path, ErrClosed))
+		}
+		return
+	}
+	type answer struct {
+		data []byte
+		err  error
+	}
+	answers := make([]answer, len(reads))
+	for i, r := range reads {
+		start, end := r.Off, r.Off+int64(r.Len)
+		if sf.direct {
+			start = start / sf.align * sf.align
+			end = (end + sf.align - 1) / sf.align * sf.align
+		}
+		buf := alignedBuf(int(end-start), sf.memAl)
+		sf.st.BackingReads.Add(1)
+		sf.st.BackingBytes.Add(uint64(len(buf)))
+		n, err := preadFull(sf.fd, buf, start)
+		answers[i].data, answers[i].err = sf.complete(r, start, buf, n, err)
+	}
+	sf.inflight.Done()
+	for i, r := range reads {
+		r.Done(answers[i].data, answers[i].err)
+	}
+}
+
 // complete turns an engine completion into the read's answer.
 func (sf *localShard) complete(r *ShardRead, start int64, buf []byte, n int, err error) ([]byte, error) {
 	if errors.Is(err, ioengine.ErrClosed) {

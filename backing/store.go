@@ -2,6 +2,7 @@ package backing
 
 import (
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/engramfs/engramfs/internal/stats"
@@ -24,13 +25,28 @@ type Reader interface {
 	Submit(reads ...*TableRead)
 }
 
+// SyncReader is a Reader that can also run reads on the calling goroutine:
+// ReadSync returns once every read's Done has been called. The fault path
+// uses it, since its caller waits anyway: one blocking read on the thread
+// that serves the FUSE request costs fewer context switches than handing
+// the read to an engine and waiting for its completion thread.
+type SyncReader interface {
+	Reader
+	ReadSync(reads ...*TableRead)
+}
+
 // Store reads tables from their shards, opened through a Source.
 type Store struct {
 	st    *stats.Counters
 	files map[*Shard]ShardFile // written by Open only
 }
 
-var _ Reader = (*Store)(nil)
+var _ SyncReader = (*Store)(nil)
+
+// syncShard is a ShardFile whose reads can run on the calling goroutine.
+type syncShard interface {
+	ReadSync(reads ...*ShardRead)
+}
 
 // Open opens every shard of m through src. A shard that is not what it was
 // when m was loaded fails with ErrShardChanged.
@@ -58,7 +74,22 @@ func (s *Store) Direct(sh *Shard) bool {
 }
 
 // Submit starts reads; see Reader.
-func (s *Store) Submit(reads ...*TableRead) {
+func (s *Store) Submit(reads ...*TableRead) { s.submit(false, reads) }
+
+// ReadSync runs reads on the calling goroutine where the shard can (local
+// files), else submits them; it returns once every Done has been called.
+func (s *Store) ReadSync(reads ...*TableRead) {
+	var wg sync.WaitGroup
+	wg.Add(len(reads))
+	for _, r := range reads {
+		done := r.Done
+		r.Done = func(data []byte, err error) { done(data, err); wg.Done() }
+	}
+	s.submit(true, reads)
+	wg.Wait()
+}
+
+func (s *Store) submit(inline bool, reads []*TableRead) {
 	byShard := map[ShardFile][]*ShardRead{}
 	var order []ShardFile
 	for _, r := range reads {
@@ -78,7 +109,11 @@ func (s *Store) Submit(reads ...*TableRead) {
 		byShard[sf] = append(byShard[sf], s.shardRead(r))
 	}
 	for _, sf := range order {
-		sf.Submit(byShard[sf]...)
+		if ss, ok := sf.(syncShard); ok && inline {
+			ss.ReadSync(byShard[sf]...)
+		} else {
+			sf.Submit(byShard[sf]...)
+		}
 	}
 }
 

@@ -108,7 +108,7 @@ func (l *Loader) Load(id uint32, first, n uint64, origin Origin) ([][]byte, erro
 		firstErr error
 		ready    = make(chan struct{})
 	)
-	l.Fetch([]Run{{Table: id, First: first, N: n}}, origin, func(r Run, pages [][]byte, err error) {
+	l.fetch([]Run{{Table: id, First: first, N: n}}, origin, true, func(r Run, pages [][]byte, err error) {
 		mu.Lock()
 		defer mu.Unlock()
 		if err != nil && firstErr == nil {
@@ -138,6 +138,13 @@ func (l *Loader) Load(id uint32, first, n uint64, origin Origin) ([][]byte, erro
 //
 // LOCKS_EXCLUDED(l.mu)
 func (l *Loader) Fetch(runs []Run, origin Origin, done FetchDone) {
+	l.fetch(runs, origin, false, done)
+}
+
+// fetch is Fetch; inline: run this call's own backing reads on the calling
+// goroutine when the backing can (a fault's reader is blocked anyway, and a
+// hand-off to another thread costs more than the read on these VMs).
+func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 	var reads []*backing.TableRead
 	type failure struct {
 		f   *fetch
@@ -188,9 +195,14 @@ func (l *Loader) Fetch(runs []Run, origin Origin, done FetchDone) {
 	for _, fl := range failed {
 		fl.f.done(Run{Table: fl.f.run.Table, First: fl.f.run.First + fl.i, N: 1}, nil, fl.err)
 	}
-	if len(reads) > 0 {
-		l.src.Submit(reads...)
+	if len(reads) == 0 {
+		return
 	}
+	if sr, ok := l.src.(backing.SyncReader); ok && inline {
+		sr.ReadSync(reads...)
+		return
+	}
+	l.src.Submit(reads...)
 }
 
 // appendRead adds the backing read of pages [first, first+n) of t, if n > 0.

@@ -70,9 +70,13 @@ func BenchmarkColdFault(b *testing.B) {
 		b.Fatal(err)
 	}
 	before := d.Stats(b)
+	cpu0 := CPU(b, before.Pid)
 	el := run(fsMap, int64(len(tb.FileHeader)), tb.RowBytes)
+	cpu := CPU(b, before.Pid) - cpu0
 	after := d.Stats(b)
 	fs := result{float64(el.Nanoseconds()) / float64(b.N), float64(after.BackingBytes-before.BackingBytes) / float64(b.N)}
+	b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "daemon_cpu_us/fault")
+	b.ReportMetric(float64(after.BackingReads-before.BackingReads)/float64(b.N), "backing_reads/fault")
 
 	if err := unix.Munmap(fsMap); err != nil {
 		b.Fatal(err)

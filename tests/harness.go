@@ -17,6 +17,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -286,4 +287,31 @@ var sink byte
 func Touch(m []byte, off int) byte {
 	sink += m[off]
 	return m[off]
+}
+
+// CPU is the CPU time a process's live threads have used, from each
+// thread's schedstat (nanoseconds, where /proc/PID/stat counts 10 ms ticks).
+func CPU(t testing.TB, pid int) time.Duration {
+	t.Helper()
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ns int64
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/schedstat", pid, task.Name()))
+		if err != nil {
+			continue // the thread exited meanwhile
+		}
+		f := strings.Fields(string(b))
+		if len(f) < 1 {
+			continue
+		}
+		v, err := strconv.ParseInt(f[0], 10, 64)
+		if err != nil {
+			t.Fatalf("schedstat %q: %v", b, err)
+		}
+		ns += v
+	}
+	return time.Duration(ns)
 }
