@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -480,4 +481,61 @@ func (maps shardMaps) resident(t *testing.T, sh *Shard) int {
 		n += int(v & 1)
 	}
 	return n
+}
+
+// Closing the store while reads are in flight and queued: every read is
+// answered exactly once, with the right bytes or ErrClosed, never with
+// another file's bytes (the fd is closed only after the reads in flight).
+func TestStoreCloseWithReadsInFlight(t *testing.T) {
+	m := loadSynth(t, storeSynth())
+	shards := shardBytes(t, m)
+	for _, kind := range []string{"io_uring", "pread"} {
+		t.Run(kind, func(t *testing.T) {
+			eng, _, err := ioengine.New(kind, 4)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer eng.Close()
+			st := &stats.Counters{}
+			s, err := Open(m, NewLocalSource(m.Dir, IOAuto, eng, st), st)
+			if err != nil {
+				t.Fatal(err)
+			}
+			const n = 2000
+			var answered [n]atomic.Int32
+			var wg sync.WaitGroup
+			wg.Add(n)
+			rng := rand.New(rand.NewPCG(3, 4))
+			reads := make([]*TableRead, n)
+			for i := range reads {
+				tb := m.Tables[rng.IntN(len(m.Tables))]
+				off := rng.Int64N(tb.DataLen - 64)
+				reads[i] = &TableRead{Table: tb, Off: off, Len: 64, Done: func(data []byte, err error) {
+					defer wg.Done()
+					answered[i].Add(1)
+					if err != nil {
+						if !errors.Is(err, ErrClosed) {
+							t.Errorf("read %d: %v", i, err)
+						}
+						return
+					}
+					if want := shards[tb.Shard][tb.DataStart+off : tb.DataStart+off+64]; !bytes.Equal(data, want) {
+						t.Errorf("read %d: wrong bytes", i)
+					}
+				}}
+			}
+			go s.Submit(reads[:n/2]...)
+			go s.Submit(reads[n/2:]...)
+			time.Sleep(time.Millisecond)
+			if err := s.Close(); err != nil {
+				t.Fatal(err)
+			}
+			wg.Wait()
+			for i := range answered {
+				if c := answered[i].Load(); c != 1 {
+					t.Fatalf("read %d answered %d times", i, c)
+				}
+			}
+		})
+	}
 }
