@@ -2,6 +2,7 @@ package ioengine
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -52,11 +53,12 @@ type testFile struct {
 
 func newTestFile(t testing.TB, size int) testFile {
 	t.Helper()
-	data := make([]byte, size)
+	data := make([]byte, size+7)
 	rng := rand.New(rand.NewPCG(uint64(size), 7))
-	for i := range data {
-		data[i] = byte(rng.Uint32())
+	for i := 0; i < size; i += 8 {
+		binary.LittleEndian.PutUint64(data[i:], rng.Uint64())
 	}
+	data = data[:size]
 	path := filepath.Join(t.TempDir(), "shard")
 	if err := os.WriteFile(path, data, 0o644); err != nil {
 		t.Fatal(err)
@@ -466,6 +468,14 @@ func testCloseInFlightAndQueued(t *testing.T, kind string) {
 		e := newEngine(t, kind, 4)
 		rng := rand.New(rand.NewPCG(uint64(round), 11))
 		reqs := randomReqs(rng, fd, f, m, 2000)
+		// Close once the first (small) read is done: the next ones, 1 MiB
+		// each and milliseconds long, are then in flight while Close fails
+		// the queue.
+		reqs[0].Buf = reqs[0].Buf[:m.align]
+		for _, r := range reqs[1:9] {
+			r.Off, r.Buf = int64(rng.IntN(7))<<20, alignedBuf(1<<20, m.align)
+		}
+		first := make(chan struct{})
 		var calls atomic.Int64
 		res := make([]*result, len(reqs))
 		for i, r := range reqs {
@@ -473,10 +483,13 @@ func testCloseInFlightAndQueued(t *testing.T, kind string) {
 			r.Done = func(n int, err error) {
 				res[i].n, res[i].err = n, err
 				res[i].calls.Add(1)
-				calls.Add(1)
+				if calls.Add(1) == 1 {
+					close(first)
+				}
 			}
 		}
 		e.Submit(reqs...)
+		<-first
 		if err := e.Close(); err != nil {
 			t.Fatal(err)
 		}
