@@ -197,10 +197,17 @@ func (e *uringEngine) reaper() {
 
 		_, err := e.r.enter(n, 1, ioringEnterGetEvents)
 		e.enters.Add(1)
-		if err == unix.EAGAIN || err == unix.EBUSY {
+		switch err {
+		case nil, unix.EINTR:
+		case unix.EAGAIN, unix.EBUSY:
+			// Kernel out of request memory, or CQ overflow (impossible with
+			// the ring sizes above): back off a little and retry.
 			time.Sleep(50 * time.Microsecond)
+		default:
+			// Not expected from a live ring; do not spin on it.
+			time.Sleep(time.Millisecond)
 		}
-		// EINTR and the rest: whatever completed is in the CQ ring anyway.
+		// Whatever completed is in the CQ ring whatever enter returned.
 
 		cqes = e.r.reap(cqes[:0])
 		if len(cqes) == 0 {
