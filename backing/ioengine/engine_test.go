@@ -1,0 +1,91 @@
+package ioengine
+
+import (
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+)
+
+func TestParseKind(t *testing.T) {
+	for _, k := range Kinds {
+		if got, err := ParseKind(" " + strings.ToUpper(k) + " "); err != nil || got != k {
+			t.Errorf("ParseKind(%q) = %q, %v", k, got, err)
+		}
+	}
+	for _, bad := range []string{"", "uring", "aio"} {
+		_, err := ParseKind(bad)
+		if err == nil || !strings.Contains(err.Error(), "auto, io_uring, pread") {
+			t.Errorf("ParseKind(%q): err = %v, want one naming the kinds", bad, err)
+		}
+		if _, _, err := New(bad, 4); err == nil {
+			t.Errorf("New(%q) accepted", bad)
+		}
+	}
+	if _, _, err := New("pread", 0); err == nil {
+		t.Error("New with depth 0 accepted")
+	}
+}
+
+// TestAuto: where io_uring_setup works, auto must pick it and give no
+// fallback reason; where it does not, pread with the reason.
+func TestAuto(t *testing.T) {
+	e, reason, err := New("auto", 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	u, uerr := newUring(8)
+	if uerr == nil {
+		u.Close()
+		if e.Name() != "io_uring" || reason != "" {
+			t.Fatalf("auto: %s, reason %q; io_uring works here", e.Name(), reason)
+		}
+		return
+	}
+	if e.Name() != "pread" || reason == "" {
+		t.Fatalf("auto: %s, reason %q; io_uring fails here with %v", e.Name(), reason, uerr)
+	}
+}
+
+func TestSetupErrorSaysWhy(t *testing.T) {
+	for errno, want := range map[syscall.Errno]string{
+		syscall.ENOSYS: "seccomp",
+		syscall.EPERM:  "io_uring_disabled",
+	} {
+		if err := setupError(errno); !strings.Contains(err.Error(), want) {
+			t.Errorf("setupError(%v) = %v, want it to mention %q", errno, err, want)
+		}
+	}
+}
+
+// TestUringBatches is the reason the engine exists: many reads per
+// io_uring_enter and per reaper wake-up, not one each.
+func TestUringBatches(t *testing.T) {
+	f := newTestFile(t, 8<<20)
+	fd := open(t, f.path, false)
+	e := newEngine(t, "io_uring", 64)
+	defer e.Close()
+	const n = 4000
+	reqs := make([]*Req, n)
+	for i := range reqs {
+		reqs[i] = &Req{Fd: fd, Off: int64(i%2048) * 4096, Buf: make([]byte, 4096)}
+	}
+	var wg sync.WaitGroup
+	res := track(reqs, &wg)
+	for i := 0; i < n; i += 500 {
+		e.Submit(reqs[i : i+500]...)
+	}
+	wait(t, &wg)
+	for i, r := range reqs {
+		checkRead(t, f, r, res[i], 4096)
+	}
+	s := e.(*uringEngine).Stats()
+	t.Logf("%+v: %.3f enters/read, %.3f wake-ups/read", s, float64(s.Enters)/n, float64(s.Wakeups)/n)
+	if s.Reads != n || s.Ops != n {
+		t.Errorf("stats %+v: want %d reads and ops", s, n)
+	}
+	if s.Enters > n/4 || s.Wakeups > n/4 {
+		t.Errorf("stats %+v: want under one enter and one wake-up per 4 reads", s)
+	}
+}
