@@ -46,11 +46,11 @@ reports its CPU per 4 KiB backing page per phase and its read engine; then
 the targets (each a ratio of two figures of this run, its bound, met or missed).
 
 The models (8.2 GiB each by default) are generated once into --model-dir and
-reused. On a 2-CPU VM the full run takes about 6 to 7 minutes after generation
-(about 30 s per model); --quick about two and a half minutes. Needs root and
+reused. On a 2-CPU VM the full run takes several minutes after generation
+(about 30 s per model); --quick a few (5 on a busy one). Needs root and
 /dev/fuse for paths 4, 4' and 5 (skipped otherwise). bench/README.md explains
 every column and target.`)
-	quick := fl.Bool("quick", false, "a short run (1.1 GiB models, fewer steps and chunks): under two minutes")
+	quick := fl.Bool("quick", false, "a short run (1.1 GiB models, fewer steps and chunks): a few minutes")
 	cfg := bench.DefaultConfig()
 	geometries := fl.String("geometry", "big,flash", "geometries to measure: big (4096+128-byte rows), flash (256+8-byte rows)")
 	pathList := fl.String("paths", "", "paths to measure, comma-separated (default all): "+joinPaths())
