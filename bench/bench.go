@@ -1,10 +1,11 @@
 // Package bench measures how engram rows are gathered today (pread, mmap,
 // mmap+willneed on the shard files) against engramfs with and without
-// hints, and against the disk's own limit, in one run on the same data: the
-// body of `engramfs bench` and `engramfs demo` (issue 5).
+// hints, and against the disk's own limit and fio's CPU per read, in one run
+// on the same data: the body of `engramfs bench` and `engramfs demo`.
 //
 // A run generates (or reuses) a synthetic model per geometry big enough to
-// be cold, measures 4 KiB O_DIRECT random reads on its shards, then for
+// be cold, measures 4 KiB O_DIRECT random reads on its shards (and, when fio
+// is on PATH, fio's CPU per such read with io_uring at QD64), then for
 // every path drops the page cache and runs the decode workload (steps of
 // Zipf-popular rows, timed one by one), drops it again and runs the prefill
 // workload (chunks of unique rows, each gather timed). The engramfs paths
@@ -57,7 +58,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			DecodeSteps: cfg.Decode.Steps, DecodeRows: cfg.Decode.RowsPerStep, ZipfS: cfg.Decode.S,
 			Chunks: cfg.Prefill.Chunks, ChunkTokens: cfg.Prefill.ChunkTokens, Compute: cfg.Compute,
 			PreadWorkers: cfg.PreadWorkers, PreadTaskRows: cfg.PreadTaskRows, MmapWorkers: cfg.MmapWorkers,
-			Drop: cfg.Drop,
+			QueueDepth: cfg.QueueDepth, Drop: cfg.Drop,
 		},
 	}
 	defer func() { rep.Elapsed = time.Since(start) }()
@@ -129,6 +130,15 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	if err := measureDisk("start"); err != nil {
 		return rep, err
+	}
+	// fio once, on one shard: the CPU floor of a 4 KiB read on this machine.
+	prog.setPhase("fio floor: 4 KiB random reads, io_uring, QD%d, %v", fioQueueDepth, cfg.FioRuntime)
+	rep.Fio = MeasureFio(ctx, largestFile(shards), cfg.FioRuntime)
+	if ctx.Err() != nil {
+		return rep, ctx.Err()
+	}
+	if rep.Fio.Missing != "" {
+		note("no fio floor: %s (the CPU targets are not judged)", rep.Fio.Missing)
 	}
 
 	drop := &dropper{mode: cfg.Drop}
@@ -226,6 +236,14 @@ func daemonFlags(cfg *Config, note func(string, ...any)) ([]string, error) {
 			flags = append(flags, "--cache-size", cfg.CacheSize)
 		} else {
 			note("this engramfs mount has no --cache-size (no hot tier yet): ran without it")
+		}
+	}
+	if cfg.ReadEngine != "" {
+		switch {
+		case known["read-engine"]:
+			flags = append(flags, "--read-engine", cfg.ReadEngine)
+		case cfg.ReadEngine != "auto":
+			note("this engramfs mount has no --read-engine: ran with its only engine, not %s", cfg.ReadEngine)
 		}
 	}
 	return flags, nil

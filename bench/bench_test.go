@@ -31,6 +31,7 @@ func tinyConfig(t *testing.T) Config {
 	c.Compute = 50 * time.Millisecond
 	c.DiskTime = 100 * time.Millisecond
 	c.DiskQDs = []int{4}
+	c.FioRuntime = time.Second // when fio is on PATH
 	c.QueueDepth = 4
 	c.MmapWorkers = 8
 	c.PreadWorkers = 4
@@ -96,9 +97,23 @@ func TestRunTiny(t *testing.T) {
 				if p.Decode.Stats == nil || p.Prefill.Stats == nil {
 					t.Fatalf("%s %s: no .engramfs/stats deltas", g.Geometry.Name, p.Path)
 				}
+				if p.Decode.DaemonCPUPerPage <= 0 && p.Decode.DaemonCPU > 0 || p.Prefill.DaemonCPUPerPage <= 0 && p.Prefill.DaemonCPU > 0 {
+					t.Errorf("%s %s: daemon CPU a backing page not computed: decode %v, prefill %v", g.Geometry.Name, p.Path, p.Decode.DaemonCPUPerPage, p.Prefill.DaemonCPUPerPage)
+				}
+				if p.Daemon.ReadEngine == "" {
+					t.Errorf("%s %s: no read engine", g.Geometry.Name, p.Path)
+				}
 			}
 		}
-		eng, hints := g.path(PathEngramfs), g.path(PathHints)
+		eng, engWill, hints := g.path(PathEngramfs), g.path(PathEngramfsWillneed), g.path(PathHints)
+		if engWill.Decode.Stats.FuseReads == 0 || engWill.Decode.Stats.HintFrames != 0 {
+			t.Errorf("%s engramfs+willneed: %d FUSE reads and %d hint frames, want reads and no hints", g.Geometry.Name, engWill.Decode.Stats.FuseReads, engWill.Decode.Stats.HintFrames)
+		}
+		for _, ph := range []*Phase{hints.Decode, hints.Prefill} {
+			if ph.Barrier != BarrierRead && ph.Barrier != BarrierFsync || ph.BarrierHow == "" {
+				t.Errorf("%s engramfs+hints: barrier %q (%q)", g.Geometry.Name, ph.Barrier, ph.BarrierHow)
+			}
+		}
 		if eng.Decode.Stats.FuseReads == 0 || eng.Decode.Stats.HintFrames != 0 {
 			t.Errorf("%s engramfs: %d FUSE reads and %d hint frames, want faults and no hints", g.Geometry.Name, eng.Decode.Stats.FuseReads, eng.Decode.Stats.HintFrames)
 		}
@@ -116,6 +131,9 @@ func TestRunTiny(t *testing.T) {
 	}
 	if len(rep.Targets) == 0 {
 		t.Error("no target judged")
+	}
+	if rep.Fio == nil || rep.Fio.Missing == "" && rep.Fio.CPUPerRead <= 0 {
+		t.Errorf("fio floor: %+v, want figures or why there are none", rep.Fio)
 	}
 	var table bytes.Buffer
 	rep.WriteTable(&table)

@@ -9,22 +9,23 @@ import (
 // PathID names a way of gathering rows.
 type PathID string
 
-// The gather paths of issue 5, in report order.
+// The gather paths, in report order.
 const (
-	PathPread        PathID = "pread"          // 1: shards, FADV_RANDOM, a pool of preads
-	PathMmap         PathID = "mmap"           // 2: shards mapped with MADV_RANDOM
-	PathMmapRA       PathID = "mmap-readahead" // 2': shards mapped without MADV_RANDOM (kernel readahead)
-	PathMmapWillneed PathID = "mmap-willneed"  // 3: as 2, after fadvise(WILLNEED) on every row
-	PathEngramfs     PathID = "engramfs"       // 4: the mount's table files mapped as in 2, no hints
-	PathHints        PathID = "engramfs-hints" // 5: as 4, with decode and prefill hints
-	PathWarm         PathID = "warm"           // reference: path 4's gather again through a fresh mapping, every row in the page cache
+	PathPread            PathID = "pread"             // 1: shards, FADV_RANDOM, a pool of preads
+	PathMmap             PathID = "mmap"              // 2: shards mapped with MADV_RANDOM
+	PathMmapRA           PathID = "mmap-readahead"    // 2': shards mapped without MADV_RANDOM (kernel readahead)
+	PathMmapWillneed     PathID = "mmap-willneed"     // 3: as 2, after fadvise(WILLNEED) on every row (the engines' v3 path)
+	PathEngramfs         PathID = "engramfs"          // 4: the mount's table files mapped as in 2, no hints
+	PathEngramfsWillneed PathID = "engramfs-willneed" // 4': path 3's code on the mount's table files, no hints
+	PathHints            PathID = "engramfs-hints"    // 5: as 4, with decode and prefill hints
+	PathWarm             PathID = "warm"              // reference: path 4's gather again through a fresh mapping, every row in the page cache
 )
 
 // AllPaths is every measured path, in report order (the warm reference is
 // measured inside PathEngramfs).
-var AllPaths = []PathID{PathPread, PathMmap, PathMmapRA, PathMmapWillneed, PathEngramfs, PathHints}
+var AllPaths = []PathID{PathPread, PathMmap, PathMmapRA, PathMmapWillneed, PathEngramfs, PathEngramfsWillneed, PathHints}
 
-// Label is the path's name in tables: its number in issue 5 and what it does.
+// Label is the path's name in tables: its number (bench/README.md) and what it does.
 func (p PathID) Label() string {
 	switch p {
 	case PathPread:
@@ -37,6 +38,8 @@ func (p PathID) Label() string {
 		return "3 mmap+willneed"
 	case PathEngramfs:
 		return "4 engramfs"
+	case PathEngramfsWillneed:
+		return "4' engramfs+willneed"
 	case PathHints:
 		return "5 engramfs+hints"
 	case PathWarm:
@@ -46,7 +49,14 @@ func (p PathID) Label() string {
 }
 
 // mounts reports whether the path reads through an engramfs mount.
-func (p PathID) mounts() bool { return p == PathEngramfs || p == PathHints }
+func (p PathID) mounts() bool {
+	return p == PathEngramfs || p == PathEngramfsWillneed || p == PathHints
+}
+
+// willneed reports whether the path is the engines' v3 code: fadvise(WILLNEED)
+// on every row's range, then the gather on one thread (path 3 on the shards,
+// path 4' on the mount).
+func (p PathID) willneed() bool { return p == PathMmapWillneed || p == PathEngramfsWillneed }
 
 // ParsePath checks a path name.
 func ParsePath(s string) (PathID, error) {
@@ -91,12 +101,18 @@ type Config struct {
 	// Drop is how caches are made cold before each path and phase.
 	Drop DropMode
 
+	// FioRuntime is how long fio's 4 KiB random-read job (the CPU floor of
+	// a read) runs, once at the start; 0 skips it. fio must be on PATH.
+	FioRuntime time.Duration
+
 	// Daemon flags: passed to `engramfs mount` (CacheSize only when the
-	// daemon lists --cache-size, and when not empty).
+	// daemon lists --cache-size, and when not empty; ReadEngine only when
+	// it lists --read-engine).
 	QueueDepth    int
 	BackingIO     string
 	PrefetchQueue int // 0: the daemon's default
 	CacheSize     string
+	ReadEngine    string // auto, io_uring or pread
 	// DaemonGOMAXPROCS, if > 0, runs the daemon with GOMAXPROCS set to it
 	// (an experiment: the daemon's blocking preads and FUSE reads each hold
 	// one of GOMAXPROCS Ps until the runtime hands it off).
@@ -126,9 +142,11 @@ func DefaultConfig() Config {
 		MmapWorkers:   96,
 		DiskTime:      3 * time.Second,
 		DiskQDs:       []int{32, 64},
+		FioRuntime:    5 * time.Second,
 		Drop:          DropAuto,
 		QueueDepth:    64,
 		BackingIO:     "auto",
+		ReadEngine:    "auto",
 	}
 }
 
@@ -161,6 +179,9 @@ func (c *Config) check() error {
 	case c.DiskTime <= 0:
 		return fmt.Errorf("bench: disk time must be positive")
 	}
+	if _, err := ParseReadEngine(c.ReadEngine); err != nil {
+		return err
+	}
 	return nil
 }
 
@@ -171,4 +192,20 @@ func (c *Config) needsMount() bool {
 		}
 	}
 	return false
+}
+
+// ReadEngines are the values of the daemon's --read-engine.
+var ReadEngines = []string{"auto", "io_uring", "pread"}
+
+// ParseReadEngine checks a --read-engine value ("" is auto).
+func ParseReadEngine(s string) (string, error) {
+	if s == "" {
+		return "auto", nil
+	}
+	for _, e := range ReadEngines {
+		if s == e {
+			return s, nil
+		}
+	}
+	return "", fmt.Errorf("read engine %q: want one of %v", s, ReadEngines)
 }

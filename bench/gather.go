@@ -219,6 +219,17 @@ func (g *gatherSet) willneed(rows [][]uint64) error {
 	return nil
 }
 
+// gatherV3 is the engines' "v3" decode path (DSV41_ENGRAM_MMAP_INLINE_ROWS):
+// fadvise(WILLNEED) on every row's range of every table, so that all the
+// reads are in flight together, then one gather on the calling goroutine.
+// Paths 3 (the shards) and 4' (the mount's table files) both run it.
+func (g *gatherSet) gatherV3(rows [][]uint64, buf []byte) error {
+	if err := g.willneed(rows); err != nil {
+		return err
+	}
+	return g.gatherSerial(rows, buf)
+}
+
 // rowTask is a run of rows of one layer, the unit a pool worker takes.
 type rowTask struct {
 	layer int

@@ -10,7 +10,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
-	"github.com/engramfs/engramfs/hints/client"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -119,6 +118,10 @@ func (r *geomRun) run(ctx context.Context, p PathID) (res, warm *PathResult, err
 	}
 	if d != nil {
 		res.Daemon.CPU = res.Decode.DaemonCPU + res.Prefill.DaemonCPU
+		res.Daemon.ReadEngine = res.Prefill.Stats.ReadEngine
+		if res.Daemon.ReadEngine == "" {
+			res.Daemon.ReadEngine = ReadEngineUnknown
+		}
 		if res.Daemon.Mem, err = d.Mem(); err != nil {
 			return nil, nil, fmt.Errorf("daemon memory: %w", err)
 		}
@@ -183,6 +186,7 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *Daemon, o
 		delta := statsDelta(stBefore, after)
 		ph.Stats = &delta
 		ph.BackingBytes, ph.BackingFrom = delta.BackingBytes, ".engramfs/stats backing_bytes"
+		ph.DaemonCPUPerPage = cpuPerPage(ph.DaemonCPU, ph.BackingBytes)
 	} else {
 		readAfter, err := SelfReadBytes()
 		if err != nil {
@@ -208,13 +212,14 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *Daemon, o
 // as a gather of prefetched rows does. Gathering again through the same
 // mapping would pay none, a floor no page-cache scheme can reach.
 func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *Daemon, gs *gatherSet, ph *Phase, warm *Phase, open func() (*gatherSet, error)) error {
-	var h *client.Hinter
+	var h *hinter
 	if p == PathHints {
 		var err error
-		if h, err = client.Open(d.Mountpoint); err != nil {
+		if h, err = openHinter(d.Mountpoint); err != nil {
 			return err
 		}
 		defer h.Close()
+		ph.Barrier, ph.BarrierHow = h.barrier, h.why
 	}
 	buf := make([]byte, maxRowBytes(gs))
 	times := make([]time.Duration, 0, len(r.decode))
@@ -234,11 +239,8 @@ func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *Daemon, gs *gathe
 				if err := gs.gatherPool(step, r.cfg.PreadWorkers, r.cfg.PreadTaskRows, true); err != nil {
 					return err
 				}
-			case PathMmapWillneed:
-				if err := gs.willneed(step); err != nil {
-					return err
-				}
-				if err := gs.gatherSerial(step, buf); err != nil {
+			case PathMmapWillneed, PathEngramfsWillneed:
+				if err := gs.gatherV3(step, buf); err != nil {
 					return err
 				}
 			case PathHints:
@@ -303,7 +305,7 @@ type prefetchRec struct {
 //
 // warm is as in decodeBody.
 func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *Daemon, gs *gatherSet, ph *Phase, warm *Phase, open func() (*gatherSet, error)) error {
-	var h *client.Hinter
+	var h *hinter
 	var pf *Prefetch
 	var pfTimes []time.Duration
 	var pending <-chan prefetchRec
@@ -357,10 +359,11 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *Daemon, gs *gath
 	}
 	if p == PathHints {
 		var err error
-		if h, err = client.Open(d.Mountpoint); err != nil {
+		if h, err = openHinter(d.Mountpoint); err != nil {
 			return err
 		}
 		defer h.Close()
+		ph.Barrier, ph.BarrierHow = h.barrier, h.why
 		pf = &Prefetch{}
 		// The first chunk's hints go out during the compute before it (the
 		// previous chunk's, or the prompt's embedding).
@@ -391,10 +394,8 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *Daemon, gs *gath
 			switch p {
 			case PathPread:
 				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, true)
-			case PathMmapWillneed:
-				if err = gs.willneed(chunk); err == nil {
-					err = gs.gatherSerial(chunk, buf)
-				}
+			case PathMmapWillneed, PathEngramfsWillneed:
+				err = gs.gatherV3(chunk, buf)
 			default:
 				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, false)
 			}
@@ -453,6 +454,15 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *Daemon, gs *gath
 		warm.RowsPerSec = float64(rows) / warm.Times.Sum.Seconds()
 	}
 	return nil
+}
+
+// cpuPerPage is cpu in µs per 4 KiB page of backing bytes (0 when no
+// backing bytes were read).
+func cpuPerPage(cpu time.Duration, backingBytes uint64) float64 {
+	if backingBytes == 0 {
+		return 0
+	}
+	return float64(cpu) / 1e3 / (float64(backingBytes) / 4096)
 }
 
 // warmGather times gather through a fresh mapping of the same files.

@@ -27,6 +27,8 @@ var pathColors = map[PathID]color.RGBA{
 	PathEngramfs:     {0xee, 0x99, 0x33, 0xff},
 	PathHints:        {0xdd, 0x55, 0x11, 0xff},
 	PathWarm:         {0x44, 0xaa, 0x55, 0xff},
+
+	PathEngramfsWillneed: {0xee, 0xbb, 0x66, 0xff},
 }
 
 // shortLabel is a path's name under its bar.
@@ -36,6 +38,8 @@ func shortLabel(p PathID) string {
 		return "2' mmap RA"
 	case PathMmapWillneed:
 		return "3 willneed"
+	case PathEngramfsWillneed:
+		return "4' willneed"
 	case PathHints:
 		return "5 +hints"
 	case PathWarm:

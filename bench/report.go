@@ -7,6 +7,7 @@ import (
 	"maps"
 	"math"
 	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
@@ -23,8 +24,12 @@ type Report struct {
 	Settings Settings      `json:"settings"`
 	// Disk is the disk limit the ratios use: the best of DiskRuns (lowest
 	// QD1 p50, highest IOPS), measured at the start and at the end of the run.
-	Disk       *DiskLimit        `json:"disk_limit,omitempty"`
-	DiskRuns   []*DiskLimit      `json:"disk_runs,omitempty"`
+	Disk     *DiskLimit   `json:"disk_limit,omitempty"`
+	DiskRuns []*DiskLimit `json:"disk_runs,omitempty"`
+	// Fio is fio's CPU per 4 KiB random read (io_uring, QD64, O_DIRECT, on
+	// a shard), measured once at the start: the floor the daemon's CPU per
+	// backing page is judged against.
+	Fio        *FioFloor         `json:"fio_floor,omitempty"`
 	Geometries []*GeometryReport `json:"geometries"`
 	Targets    []Target          `json:"targets"`
 	Notes      []string          `json:"notes,omitempty"`
@@ -42,6 +47,7 @@ type Settings struct {
 	PreadTaskRows int           `json:"pread_task_rows"`
 	MmapWorkers   int           `json:"mmap_workers"`
 	DaemonFlags   []string      `json:"daemon_flags,omitempty"`
+	QueueDepth    int           `json:"queue_depth"` // the daemon's --queue-depth
 	DaemonEnv     []string      `json:"daemon_env,omitempty"`
 	Drop          DropMode      `json:"drop"`
 }
@@ -73,7 +79,15 @@ type PathResult struct {
 type DaemonUsage struct {
 	CPU time.Duration `json:"cpu_ns"` // user + system over the measured phases
 	Mem ProcMem       `json:"mem"`    // at the end of the path
+	// ReadEngine is how the daemon issued backing reads (.engramfs/stats
+	// read_engine: io_uring or pread), ReadEngineUnknown from a daemon that
+	// does not say.
+	ReadEngine string `json:"read_engine"`
 }
+
+// ReadEngineUnknown is DaemonUsage.ReadEngine for a daemon whose stats have
+// no read_engine.
+const ReadEngineUnknown = "unknown"
 
 // Phase is one workload (decode or prefill) on one path.
 type Phase struct {
@@ -89,6 +103,14 @@ type Phase struct {
 
 	ClientCPU time.Duration `json:"client_cpu_ns"`
 	DaemonCPU time.Duration `json:"daemon_cpu_ns,omitempty"`
+	// DaemonCPUPerPage is DaemonCPU in µs over BackingBytes/4096: the
+	// daemon's CPU per 4 KiB page of backing reads.
+	DaemonCPUPerPage float64 `json:"daemon_cpu_us_per_backing_page,omitempty"`
+
+	// Barrier is how path 5 waited for its hints (BarrierRead or
+	// BarrierFsync); BarrierHow says how that was decided.
+	Barrier    string `json:"barrier,omitempty"`
+	BarrierHow string `json:"barrier_how,omitempty"`
 
 	Hint     *Summary        `json:"hint,omitempty"`     // decode with hints: hints sent + barrier, per step
 	Prefetch *Prefetch       `json:"prefetch,omitempty"` // prefill with hints
@@ -115,14 +137,18 @@ type Ratios struct {
 	PrefillVsDisk float64 `json:"prefill_gather_vs_disk_iops,omitempty"`
 }
 
-// Target is one of issue 5's targets, judged on one geometry.
+// Target is one of the data path's targets, judged on one geometry.
 type Target struct {
-	Geometry string  `json:"geometry"`
-	Name     string  `json:"name"`
-	Value    float64 `json:"value"`
-	Bound    float64 `json:"bound"`
-	Met      bool    `json:"met"`
-	Detail   string  `json:"detail"`
+	Geometry string `json:"geometry"`
+	ID       string `json:"id"` // stable name (the Target* constants)
+	Name     string `json:"name"`
+	// Value is the measured ratio; Bound its upper bound, or its lower
+	// bound when AtLeast.
+	Value   float64 `json:"value"`
+	Bound   float64 `json:"bound"`
+	AtLeast bool    `json:"at_least,omitempty"`
+	Met     bool    `json:"met"`
+	Detail  string  `json:"detail"`
 	// Unmet is set when the target's precondition did not hold in this run
 	// (then Met says nothing): why.
 	Unmet string `json:"precondition_unmet,omitempty"`
@@ -193,70 +219,48 @@ func (r *Report) finish(queueDepth int) {
 				}
 			}
 		}
-		r.Targets = append(r.Targets, judge(g, r.Disk, queueDepth)...)
+		r.Targets = append(r.Targets, judge(g, r.Disk, r.Fio, queueDepth)...)
 	}
 }
 
-// judge checks issue 5's targets on one geometry (those whose paths ran).
-func judge(g *GeometryReport, disk *DiskLimit, queueDepth int) []Target {
+// The targets' IDs.
+const (
+	TargetHintsVsV3        = "decode-hints-vs-v3"        // engramfs+hints decode p50 ≤ 0.6× mmap+willneed
+	TargetV3MountVsShards  = "decode-v3-mount-vs-shards" // engramfs+willneed decode p50 ≤ 1.3× mmap+willneed
+	TargetPrefetchIOPS     = "prefetch-vs-disk-iops"     // prefetch pages/s ≥ 0.9× disk IOPS at the daemon's QD
+	TargetCPUHintsDecode   = "cpu-hints-decode"          // daemon CPU/page, engramfs+hints decode ≤ 1.5× fio's per read
+	TargetCPUHintsPrefill  = "cpu-hints-prefill"         // the same in prefill
+	TargetCPUFaultsDecode  = "cpu-faults-decode"         // daemon CPU/page, engramfs (faults) decode ≤ 3× fio's per read
+	TargetCPUFaultsPrefill = "cpu-faults-prefill"        // the same in prefill
+	TargetNoHintsVsMmap    = "decode-nohints-vs-mmap"    // engramfs decode p50 ≤ 1.5× mmap (MADV_RANDOM)
+)
+
+// judge checks the targets on one geometry, those whose paths ran. A target
+// whose reference is missing (no fio floor) is reported but not judged.
+func judge(g *GeometryReport, disk *DiskLimit, fio *FioFloor, queueDepth int) []Target {
 	var out []Target
 	name := g.Geometry.Name
-	mmap, willneed, eng, hints, warm, ra := g.path(PathMmap), g.path(PathMmapWillneed), g.path(PathEngramfs), g.path(PathHints), g.path(PathWarm), g.path(PathMmapRA)
+	mmap, willneed, eng, engWill, hints := g.path(PathMmap), g.path(PathMmapWillneed), g.path(PathEngramfs), g.path(PathEngramfsWillneed), g.path(PathHints)
 	add := func(t Target) {
 		t.Geometry = name
-		t.Met = t.Value > 0 && t.Value <= t.Bound
+		if t.AtLeast {
+			t.Met = t.Value > 0 && t.Value >= t.Bound
+		} else {
+			t.Met = t.Value > 0 && t.Value <= t.Bound
+		}
 		out = append(out, t)
 	}
-	if hints != nil && hints.Decode != nil && mmap != nil && mmap.Decode != nil {
-		add(Target{Name: "decode p50: engramfs+hints ≤ 0.3× mmap", Value: hints.Ratios.DecodeVsMmap, Bound: 0.3,
-			Detail: fmt.Sprintf("%s vs %s", fmtDur(hints.Decode.Times.P50), fmtDur(mmap.Decode.Times.P50))})
-	}
-	if hints != nil && hints.Decode != nil && willneed != nil && willneed.Decode != nil {
-		add(Target{Name: "decode p50: engramfs+hints ≤ mmap+willneed", Value: ratio(float64(hints.Decode.Times.P50), float64(willneed.Decode.Times.P50)), Bound: 1,
-			Detail: fmt.Sprintf("%s vs %s", fmtDur(hints.Decode.Times.P50), fmtDur(willneed.Decode.Times.P50))})
-	}
-	if hints != nil && hints.Prefill != nil && warm != nil && warm.Prefill != nil {
-		t := Target{Name: "prefill gather: engramfs+hints ≤ 1.2× warm page cache", Value: ratio(float64(hints.Prefill.Times.Sum), float64(warm.Prefill.Times.Sum)), Bound: 1.2,
-			Detail: fmt.Sprintf("%s vs %s a chunk", fmtDur(hints.Prefill.Times.Mean), fmtDur(warm.Prefill.Times.Mean))}
-		if pf := hints.Prefill.Prefetch; pf != nil {
-			t.Detail += fmt.Sprintf("; prefetch %s a chunk (p50), done within compute for %d of %d chunks", fmtDur(pf.Times.P50), pf.WithinCompute, pf.Times.N)
-			// The target holds "when compute per chunk >= prefetch time".
-			if pf.WithinCompute < pf.Times.N {
-				t.Unmet = "the prefetch outlasted the compute (the target assumes compute ≥ prefetch time: raise --compute)"
-			}
+	decode := func(id, what string, p, ref *PathResult, refName string, bound float64) {
+		if p == nil || p.Decode == nil || ref == nil || ref.Decode == nil {
+			return
 		}
-		add(t)
+		add(Target{ID: id, Name: fmt.Sprintf("decode p50: %s ≤ %.1f× %s", what, bound, refName),
+			Value: ratio(float64(p.Decode.Times.P50), float64(ref.Decode.Times.P50)), Bound: bound,
+			Detail: fmt.Sprintf("%s vs %s", fmtDur(p.Decode.Times.P50), fmtDur(ref.Decode.Times.P50))})
 	}
-	if eng != nil && mmap != nil {
-		if eng.Decode != nil && mmap.Decode != nil {
-			add(Target{Name: "decode p50: engramfs (no hints) ≤ 1.5× mmap", Value: eng.Ratios.DecodeVsMmap, Bound: 1.5,
-				Detail: fmt.Sprintf("%s vs %s", fmtDur(eng.Decode.Times.P50), fmtDur(mmap.Decode.Times.P50))})
-		}
-		if eng.Prefill != nil && mmap.Prefill != nil {
-			add(Target{Name: "prefill gather: engramfs (no hints) ≤ 1.5× mmap", Value: eng.Ratios.PrefillVsMmap, Bound: 1.5,
-				Detail: fmt.Sprintf("%s vs %s a chunk", fmtDur(eng.Prefill.Times.Mean), fmtDur(mmap.Prefill.Times.Mean))})
-		}
-	}
-	if eng != nil {
-		// One page of backing I/O per cold fault: backing bytes per FUSE read.
-		var reads, bytes uint64
-		for _, ph := range []*Phase{eng.Decode, eng.Prefill} {
-			if ph != nil && ph.Stats != nil {
-				reads += ph.Stats.FuseReads
-				bytes += ph.Stats.BackingBytes
-			}
-		}
-		if reads > 0 {
-			d := fmt.Sprintf("%d FUSE reads, %s of backing reads", reads, fmtBytes(float64(bytes)))
-			if ra != nil && ra.Prefill != nil && mmap != nil && mmap.Prefill != nil {
-				d += fmt.Sprintf("; shards mapped: %.0f B/row with MADV_RANDOM, %.0f without", mmap.Prefill.BytesPerRow, ra.Prefill.BytesPerRow)
-			}
-			// O_DIRECT reads the aligned superset of a page: up to one
-			// alignment unit (512 B to 4 KiB, STATX_DIOALIGN) more when the
-			// shard's table data is not aligned, as in real checkpoints.
-			add(Target{Name: "engramfs backing I/O per cold fault ≤ 1 page (+ O_DIRECT alignment)", Value: float64(bytes) / float64(reads) / 4096, Bound: 1.25, Detail: d})
-		}
-	}
+	decode(TargetHintsVsV3, "engramfs+hints", hints, willneed, "mmap+willneed (v3 on the shards)", 0.6)
+	decode(TargetV3MountVsShards, "engramfs+willneed (v3 on the mount)", engWill, willneed, "mmap+willneed", 1.3)
+
 	if hints != nil && hints.Prefill != nil && hints.Prefill.Prefetch != nil && disk != nil {
 		qd := queueDepth
 		iops, ok := disk.IOPS[qd]
@@ -265,13 +269,49 @@ func judge(g *GeometryReport, disk *DiskLimit, queueDepth int) []Target {
 			qd = 0
 		}
 		pf := hints.Prefill.Prefetch
-		d := fmt.Sprintf("%.0f backing reads/s (%.0f pages/s) vs %.0f IOPS", pf.ReadsPerSec, pf.PagesPerSec, iops)
+		d := fmt.Sprintf("%.0f pages/s (%.0f backing reads/s) vs %.0f IOPS", pf.PagesPerSec, pf.ReadsPerSec, iops)
 		if qd > 0 {
 			d += fmt.Sprintf(" at QD%d", qd)
+		} else {
+			d += fmt.Sprintf(" (the best measured: none at the daemon's QD%d)", queueDepth)
 		}
-		// Value is the shortfall (disk / prefetch), so that "≤ bound" reads as the target.
-		add(Target{Name: "prefetch throughput ≥ 0.8× disk IOPS at the same QD", Value: ratio(iops, pf.ReadsPerSec), Bound: 1 / 0.8, Detail: d})
+		if fio != nil && fio.IOPS > 0 {
+			d += fmt.Sprintf("; fio %.0f IOPS at QD%d", fio.IOPS, fioQueueDepth)
+		}
+		add(Target{ID: TargetPrefetchIOPS, Name: "prefetch pages/s ≥ 0.9× disk 4 KiB random-read IOPS, same QD", AtLeast: true,
+			Value: ratio(pf.PagesPerSec, iops), Bound: 0.9, Detail: d})
 	}
+
+	cpu := func(id, what string, p *PathResult, phase string, ph *Phase, bound float64) {
+		if p == nil || ph == nil {
+			return
+		}
+		t := Target{ID: id, Name: fmt.Sprintf("daemon CPU/page, %s %s ≤ %.1f× fio's/read", what, phase, bound), Bound: bound}
+		switch {
+		case fio == nil || fio.CPUPerRead <= 0:
+			why := "not measured"
+			if fio != nil && fio.Missing != "" {
+				why = fio.Missing
+			}
+			t.Unmet = "no fio floor (" + why + ")"
+			t.Detail = fmt.Sprintf("%.1f µs a backing page vs n/a", ph.DaemonCPUPerPage)
+		default:
+			t.Value = ratio(ph.DaemonCPUPerPage, fio.CPUPerRead)
+			t.Detail = fmt.Sprintf("%.1f µs a backing page (%s CPU, %s read) vs %.1f µs a read", ph.DaemonCPUPerPage,
+				fmtDur(ph.DaemonCPU), fmtBytes(float64(ph.BackingBytes)), fio.CPUPerRead)
+		}
+		add(t)
+	}
+	if hints != nil {
+		cpu(TargetCPUHintsDecode, "engramfs+hints", hints, "decode", hints.Decode, 1.5)
+		cpu(TargetCPUHintsPrefill, "engramfs+hints", hints, "prefill", hints.Prefill, 1.5)
+	}
+	if eng != nil {
+		cpu(TargetCPUFaultsDecode, "engramfs (faults)", eng, "decode", eng.Decode, 3)
+		cpu(TargetCPUFaultsPrefill, "engramfs (faults)", eng, "prefill", eng.Prefill, 3)
+	}
+
+	decode(TargetNoHintsVsMmap, "engramfs (no hints)", eng, mmap, "mmap (MADV_RANDOM)", 1.5)
 	return out
 }
 
@@ -309,6 +349,14 @@ func (r *Report) WriteTable(w io.Writer) {
 		fmt.Fprintf(w, "disk limit at the %s (4 KiB O_DIRECT random reads on the shards): QD1 %s p50 (%s p99), %s\n",
 			when, fmtDur(d.QD1.P50), fmtDur(d.QD1.P99), strings.Join(qds, ", "))
 	}
+	if f := r.Fio; f != nil {
+		if f.CPUPerRead > 0 {
+			fmt.Fprintf(w, "fio floor (4 KiB random reads, io_uring, QD%d, O_DIRECT, %.0f s on %s): %s IOPS, %.1f µs of CPU a read (usr %.1f%% + sys %.1f%% of one CPU)\n",
+				fioQueueDepth, f.RuntimeSec, filepath.Base(f.File), fmtCount(f.IOPS), f.CPUPerRead, f.UsrCPU, f.SysCPU)
+		} else {
+			fmt.Fprintf(w, "fio floor: n/a (%s)\n", f.Missing)
+		}
+	}
 	for _, g := range r.Geometries {
 		fmt.Fprintf(w, "\n%s  (%s", g.Geometry, g.ModelDir)
 		if g.Generated > 0 {
@@ -324,10 +372,10 @@ func (r *Report) WriteTable(w io.Writer) {
 			fmt.Fprintf(w, "prefill chunk: %s unique rows (all layers), %.2f new pages/row (not read by an earlier chunk); disk limit %s a chunk\n",
 				fmtCount(float64(rows)/float64(len(g.ChunkRows))), float64(pages)/float64(rows), fmtDur(time.Duration(g.LimitChunkSec*float64(time.Second))))
 		}
-		fmt.Fprintf(w, "%-20s │ %27s │ %35s │ %13s │ %22s\n", "", "decode step", "prefill chunk gather", "backing B/row", "daemon")
-		fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s │ %8s %7s %6s %6s │ %6s %6s │ %5s %7s %8s\n",
-			"path", "p50", "p99", "×mmap", "×disk", "mean", "rows/s", "×mmap", "×disk", "dec", "pre", "cpu s", "rss max", "anon")
-		fmt.Fprintf(w, "%s\n", strings.Repeat("─", 21)+"┼"+strings.Repeat("─", 29)+"┼"+strings.Repeat("─", 37)+"┼"+strings.Repeat("─", 15)+"┼"+strings.Repeat("─", 24))
+		fmt.Fprintf(w, "%-20s │ %27s │ %35s │ %13s │ %13s │ %31s\n", "", "decode step", "prefill chunk gather", "backing B/row", "cpu µs/page", "daemon")
+		fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s │ %8s %7s %6s %6s │ %6s %6s │ %6s %6s │ %5s %7s %8s %8s\n",
+			"path", "p50", "p99", "×mmap", "×disk", "mean", "rows/s", "×mmap", "×disk", "dec", "pre", "dec", "pre", "cpu s", "rss max", "anon", "engine")
+		fmt.Fprintf(w, "%s\n", strings.Repeat("─", 21)+"┼"+strings.Repeat("─", 29)+"┼"+strings.Repeat("─", 37)+"┼"+strings.Repeat("─", 15)+"┼"+strings.Repeat("─", 15)+"┼"+strings.Repeat("─", 33))
 		for _, p := range g.Paths {
 			if p.Skipped != "" {
 				fmt.Fprintf(w, "%-20s │ skipped: %s\n", p.Label, p.Skipped)
@@ -346,18 +394,21 @@ func (r *Report) WriteTable(w io.Writer) {
 			if ph := p.Prefill; ph != nil {
 				pre = [4]string{fmtDur(ph.Times.Mean), fmtCount(ph.RowsPerSec), fmtRatio(p.Ratios.PrefillVsMmap), fmtRatio(p.Ratios.PrefillVsDisk)}
 			}
-			bpr := [2]string{"-", "-"}
+			bpr, cpp := [2]string{"-", "-"}, [2]string{"-", "-"}
 			for i, ph := range []*Phase{p.Decode, p.Prefill} {
 				if ph != nil && ph.BackingFrom != "" {
 					bpr[i] = fmtCount(ph.BytesPerRow)
 				}
+				if ph != nil && ph.DaemonCPUPerPage > 0 {
+					cpp[i] = sig3(ph.DaemonCPUPerPage)
+				}
 			}
-			dm := [3]string{"-", "-", "-"}
+			dm := [4]string{"-", "-", "-", "-"}
 			if d := p.Daemon; d != nil {
-				dm = [3]string{fmt.Sprintf("%.1f", d.CPU.Seconds()), fmtMiB(d.Mem.HWM), fmtMiB(d.Mem.Anon)}
+				dm = [4]string{fmt.Sprintf("%.1f", d.CPU.Seconds()), fmtMiB(d.Mem.HWM), fmtMiB(d.Mem.Anon), d.ReadEngine}
 			}
-			fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s │ %8s %7s %6s %6s │ %6s %6s │ %5s %7s %8s\n",
-				p.Label, dec[0], dec[1], dec[2], dec[3], pre[0], pre[1], pre[2], pre[3], bpr[0], bpr[1], dm[0], dm[1], dm[2])
+			fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s │ %8s %7s %6s %6s │ %6s %6s │ %6s %6s │ %5s %7s %8s %8s\n",
+				p.Label, dec[0], dec[1], dec[2], dec[3], pre[0], pre[1], pre[2], pre[3], bpr[0], bpr[1], cpp[0], cpp[1], dm[0], dm[1], dm[2], dm[3])
 		}
 		for _, p := range g.Paths {
 			if p.Prefill == nil || p.Prefill.Prefetch == nil {
@@ -370,6 +421,15 @@ func (r *Report) WriteTable(w io.Writer) {
 				fmt.Fprintf(w, "; %d barriers FAILED", pf.Failed)
 			}
 			fmt.Fprintln(w)
+		}
+		for _, p := range g.Paths {
+			seen := map[string]bool{}
+			for _, ph := range []*Phase{p.Decode, p.Prefill} {
+				if ph != nil && ph.Barrier != "" && !seen[ph.BarrierHow] {
+					seen[ph.BarrierHow] = true
+					fmt.Fprintf(w, "%s barrier: %s\n", p.Label, ph.BarrierHow)
+				}
+			}
 		}
 		colds := map[string]bool{}
 		for _, p := range g.Paths {
@@ -387,11 +447,11 @@ func (r *Report) WriteTable(w io.Writer) {
 			cs = append(cs, c)
 		}
 		if len(cs) > 0 {
-			fmt.Fprintf(w, "cold caches before each path and phase: %s; daemon rss max includes the table pages its hot tier pins, anon is its heap at the end\n", strings.Join(cs, ", "))
+			fmt.Fprintf(w, "cold caches before each path and phase: %s; daemon cpu µs/page is its CPU over the phase per 4 KiB of backing reads; rss max includes the table pages its hot tier pins, anon is its heap at the end\n", strings.Join(cs, ", "))
 		}
 	}
 	if len(r.Targets) > 0 {
-		fmt.Fprintf(w, "\ntargets (issue 5):\n")
+		fmt.Fprintf(w, "\ntargets (measured ratio, bound):\n")
 		for _, t := range r.Targets {
 			mark := "MISSED"
 			switch {
@@ -400,7 +460,15 @@ func (r *Report) WriteTable(w io.Writer) {
 			case t.Met:
 				mark = "met   "
 			}
-			fmt.Fprintf(w, "  %s %-6s %-58s %6.2f (bound %.2f): %s\n", mark, t.Geometry, t.Name, t.Value, t.Bound, t.Detail)
+			val := fmt.Sprintf("%6.2f", t.Value)
+			if t.Value <= 0 {
+				val = "   n/a"
+			}
+			cmp := "≤"
+			if t.AtLeast {
+				cmp = "≥"
+			}
+			fmt.Fprintf(w, "  %s %-6s %-72s %s (bound %s %.2f): %s\n", mark, t.Geometry, t.Name, val, cmp, t.Bound, t.Detail)
 			if t.Unmet != "" {
 				fmt.Fprintf(w, "         not judged: %s\n", t.Unmet)
 			}

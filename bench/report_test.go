@@ -16,7 +16,10 @@ import (
 
 // fakeReport is a report with round numbers: mmap decodes in 10 ms and
 // gathers a chunk in 1 s; the disk reads a page in 100 µs at QD1 and 100K
-// pages/s; each chunk needs 50K pages (a 0.5 s limit).
+// pages/s at QD64 (85K at QD32); each chunk needs 50K pages (a 0.5 s limit);
+// fio spends 10 µs of CPU a read. Every figure a target uses differs from
+// the ones it must not use, so a target computed from the wrong path, phase
+// or queue depth gets another value.
 func fakeReport() *Report {
 	ph := func(p50 time.Duration, chunk time.Duration) (*Phase, *Phase) {
 		dec := &Phase{Times: Summary{N: 10, P50: p50, P99: 2 * p50, Mean: p50, Sum: 10 * p50}, Rows: 1440, BackingBytes: 1440 * 4096, BackingFrom: "x", BytesPerRow: 4096}
@@ -35,11 +38,19 @@ func fakeReport() *Report {
 	add(PathMmap, 10*time.Millisecond, time.Second)
 	add(PathMmapWillneed, 2*time.Millisecond, 1500*time.Millisecond)
 	eng := add(PathEngramfs, 12*time.Millisecond, 2*time.Second)
-	eng.Daemon = &DaemonUsage{CPU: 3 * time.Second, Mem: ProcMem{RSS: 50 << 20, HWM: 60 << 20}}
+	eng.Daemon = &DaemonUsage{CPU: 3 * time.Second, Mem: ProcMem{RSS: 50 << 20, HWM: 60 << 20}, ReadEngine: "io_uring"}
 	eng.Decode.Stats = &stats.Snapshot{FuseReads: 1000, BackingBytes: 1000 * 4608} // a page and 512 B of O_DIRECT alignment
+	eng.Decode.DaemonCPUPerPage, eng.Prefill.DaemonCPUPerPage = 25, 40
 	add(PathWarm, 100*time.Microsecond, 110*time.Millisecond)
+	ew := add(PathEngramfsWillneed, 2400*time.Microsecond, 1800*time.Millisecond)
+	ew.Daemon = &DaemonUsage{CPU: 2 * time.Second, Mem: ProcMem{RSS: 40 << 20, HWM: 50 << 20}, ReadEngine: "pread"}
+	ew.Decode.DaemonCPUPerPage, ew.Prefill.DaemonCPUPerPage = 33, 44
 	h := add(PathHints, 2500*time.Microsecond, 120*time.Millisecond)
-	h.Prefill.Prefetch = &Prefetch{Times: Summary{N: 2, P50: 600 * time.Millisecond}, ReadsPerSec: 90_000, PagesPerSec: 95_000, WithinCompute: 2}
+	h.Daemon = &DaemonUsage{CPU: time.Second, Mem: ProcMem{RSS: 30 << 20, HWM: 40 << 20}, ReadEngine: "io_uring"}
+	h.Decode.DaemonCPUPerPage, h.Prefill.DaemonCPUPerPage = 20, 12
+	h.Decode.Barrier, h.Decode.BarrierHow = BarrierRead, "read(2) on the control handle"
+	h.Prefill.Barrier, h.Prefill.BarrierHow = BarrierRead, "read(2) on the control handle"
+	h.Prefill.Prefetch = &Prefetch{Times: Summary{N: 2, P50: 600 * time.Millisecond}, ReadsPerSec: 80_000, PagesPerSec: 95_000, WithinCompute: 2}
 	g.Paths = append(g.Paths, &PathResult{Path: PathMmapRA, Label: PathMmapRA.Label(), Skipped: "not asked for"})
 	r := &Report{
 		Machine:    Machine{CPUs: 2, MemBytes: 24 << 30, Kernel: "6.18", Disk: "ext4 on /dev/vda"},
@@ -51,6 +62,7 @@ func fakeReport() *Report {
 		{QD1: Summary{P50: 150 * time.Microsecond}, IOPS: map[int]float64{32: 85_000, 64: 100_000}},
 	}
 	r.Disk = bestDisk(r.DiskRuns)
+	r.Fio = &FioFloor{File: "/m/model-00001.safetensors", RuntimeSec: 5, Reads: 300_000, IOPS: 60_000, UsrCPU: 10, SysCPU: 50, CPUPerRead: 10}
 	r.finish(64)
 	return r
 }
@@ -72,6 +84,7 @@ func TestRatios(t *testing.T) {
 		{PathPread, 0.8, 80, 0.8, 1.6},
 		{PathEngramfs, 1.2, 120, 2, 4},
 		{PathHints, 0.25, 25, 0.12, 0.24},
+		{PathEngramfsWillneed, 0.24, 24, 1.8, 3.6},
 	} {
 		p := g.path(tc.id)
 		got := p.Ratios
@@ -94,52 +107,93 @@ func TestBestDisk(t *testing.T) {
 	}
 }
 
+// TestTargets checks every target's ratio against the figures it must be
+// computed from: each alternative (another path, phase or queue depth, reads
+// instead of pages) gives another value in fakeReport.
 func TestTargets(t *testing.T) {
 	r := fakeReport()
-	want := map[string]bool{
-		"decode p50: engramfs+hints ≤ 0.3× mmap":                true,  // 0.25
-		"decode p50: engramfs+hints ≤ mmap+willneed":            false, // 2.5 ms vs 2 ms
-		"prefill gather: engramfs+hints ≤ 1.2× warm page cache": true,  // 120 vs 110 ms
-		"decode p50: engramfs (no hints) ≤ 1.5× mmap":           true,  // 1.2
-		"prefill gather: engramfs (no hints) ≤ 1.5× mmap":       false, // 2
-		"prefetch throughput ≥ 0.8× disk IOPS at the same QD":   true,  // 90K of 100K
+	want := map[string]struct {
+		value float64
+		met   bool
+	}{
+		TargetHintsVsV3:        {1.25, false}, // hints 2.5 ms / mmap+willneed 2 ms (vs mmap: 0.25)
+		TargetV3MountVsShards:  {1.2, true},   // engramfs+willneed 2.4 ms / mmap+willneed 2 ms (vs mmap: 0.24)
+		TargetPrefetchIOPS:     {0.95, true},  // 95K pages/s / 100K IOPS at QD64 (reads: 0.8; QD32: 1.12)
+		TargetCPUHintsDecode:   {2, false},    // 20 µs / 10 µs
+		TargetCPUHintsPrefill:  {1.2, true},   // 12 µs / 10 µs
+		TargetCPUFaultsDecode:  {2.5, true},   // 25 µs / 10 µs (engramfs+willneed: 3.3)
+		TargetCPUFaultsPrefill: {4, false},    // 40 µs / 10 µs (engramfs+willneed: 4.4)
+		TargetNoHintsVsMmap:    {1.2, true},   // engramfs 12 ms / mmap 10 ms (vs mmap+willneed: 6)
 	}
-	seen := 0
+	got := map[string]Target{}
 	for _, tg := range r.Targets {
-		if strings.HasPrefix(tg.Name, "engramfs backing I/O per cold fault") {
-			if !near(tg.Value, 1.125) || !tg.Met {
-				t.Errorf("backing I/O per fault = %v pages (met %v), want 1.125 (4608 B a fault), met", tg.Value, tg.Met)
-			}
-			seen++
-			continue
+		if _, dup := got[tg.ID]; dup {
+			t.Errorf("target %s judged twice", tg.ID)
 		}
-		met, ok := want[tg.Name]
-		if !ok {
-			t.Errorf("unexpected target %q", tg.Name)
-			continue
+		got[tg.ID] = tg
+	}
+	for id, w := range want {
+		tg, ok := got[id]
+		switch {
+		case !ok:
+			t.Errorf("target %s not judged", id)
+		case !near(tg.Value, w.value) || tg.Met != w.met || tg.Unmet != "":
+			t.Errorf("%s (%s): value %v met %v (%q), want %v met %v", id, tg.Name, tg.Value, tg.Met, tg.Unmet, w.value, w.met)
 		}
-		seen++
-		if tg.Met != met {
-			t.Errorf("%s: met = %v (value %v, bound %v), want %v", tg.Name, tg.Met, tg.Value, tg.Bound, met)
+		if tg.Geometry != "big" {
+			t.Errorf("%s: geometry %q", id, tg.Geometry)
 		}
 	}
-	if seen != len(want)+1 {
-		t.Errorf("judged %d targets, want %d", seen, len(want)+1)
+	if len(got) != len(want) {
+		t.Errorf("judged %d targets, want %d: %v", len(got), len(want), got)
+	}
+	if !got[TargetPrefetchIOPS].AtLeast || got[TargetHintsVsV3].AtLeast {
+		t.Error("the prefetch target is a lower bound, the others upper bounds")
 	}
 
-	// The prefill target assumes the prefetch fits in the compute: when it
-	// did not, the target is reported but not judged.
-	r.Geometries[0].path(PathHints).Prefill.Prefetch.WithinCompute = 1
+	// Without fio, the CPU targets are reported, not judged.
+	r.Fio = &FioFloor{Missing: "fio is not on PATH"}
 	r.finish(64)
-	for _, tg := range r.Targets {
-		if strings.HasPrefix(tg.Name, "prefill gather: engramfs+hints") && tg.Unmet == "" {
-			t.Error("a prefetch that outlasted the compute still judged the prefill target")
-		}
-	}
 	var b bytes.Buffer
 	r.WriteTable(&b)
-	if !strings.Contains(b.String(), "not judged") {
-		t.Errorf("table does not say the prefill target was not judged:\n%s", b.String())
+	n := 0
+	for _, tg := range r.Targets {
+		if strings.HasPrefix(tg.ID, "cpu-") {
+			n++
+			if tg.Unmet == "" || tg.Met || !strings.Contains(tg.Unmet, "not on PATH") {
+				t.Errorf("%s judged without a fio floor: %+v", tg.ID, tg)
+			}
+		}
+	}
+	if n != 4 {
+		t.Errorf("%d CPU targets without fio, want 4 (reported as n/a)", n)
+	}
+	for _, s := range []string{"fio floor: n/a (fio is not on PATH)", "n/a    big    daemon CPU/page", "not judged: no fio floor"} {
+		if !strings.Contains(b.String(), s) {
+			t.Errorf("table without fio lacks %q:\n%s", s, b.String())
+		}
+	}
+
+	// A path that did not run takes its targets with it.
+	for _, p := range r.Geometries[0].Paths {
+		if p.Path == PathEngramfsWillneed {
+			p.Failed = "daemon died"
+		}
+	}
+	r.finish(64)
+	for _, tg := range r.Targets {
+		if tg.ID == TargetV3MountVsShards {
+			t.Errorf("judged %s without its path", tg.ID)
+		}
+	}
+}
+
+func TestCPUPerPage(t *testing.T) {
+	if got := cpuPerPage(time.Second, 1000*4096); !near(got, 1000) {
+		t.Errorf("1 s over 1000 pages = %v µs a page, want 1000", got)
+	}
+	if got := cpuPerPage(time.Second, 0); got != 0 {
+		t.Errorf("no backing bytes: %v, want 0 (not measured)", got)
 	}
 }
 
@@ -148,7 +202,9 @@ func TestWriteTableAndJSON(t *testing.T) {
 	var b bytes.Buffer
 	r.WriteTable(&b)
 	out := b.String()
-	for _, s := range []string{"2 mmap", "5 engramfs+hints", "warm page cache", "skipped: not asked for", "MISSED", "10.0ms", "60M", "QD64 100K IOPS"} {
+	for _, s := range []string{"2 mmap", "5 engramfs+hints", "4' engramfs+willneed", "warm page cache", "skipped: not asked for", "MISSED", "10.0ms", "60M", "QD64 100K IOPS",
+		"cpu µs/page", "io_uring", "pread", "fio floor (4 KiB random reads, io_uring, QD64, O_DIRECT, 5 s on model-00001.safetensors): 60K IOPS, 10.0 µs of CPU a read",
+		"5 engramfs+hints barrier: read(2) on the control handle", "(bound ≥ 0.90)", "(bound ≤ 0.60)"} {
 		if !strings.Contains(out, s) {
 			t.Errorf("table lacks %q:\n%s", s, out)
 		}
@@ -167,6 +223,18 @@ func TestWriteTableAndJSON(t *testing.T) {
 	}
 	if len(back.Geometries) != 1 || back.Geometries[0].path(PathHints).Decode.Times.P50 != 2500*time.Microsecond {
 		t.Errorf("JSON round trip lost the figures")
+	}
+	h := back.Geometries[0].path(PathHints)
+	if h.Decode.DaemonCPUPerPage != 20 || h.Prefill.DaemonCPUPerPage != 12 || h.Daemon.ReadEngine != "io_uring" || h.Decode.Barrier != BarrierRead {
+		t.Errorf("JSON round trip lost the daemon's CPU a page, read engine or barrier: %+v %+v", h.Daemon, h.Decode)
+	}
+	if back.Fio == nil || back.Fio.CPUPerRead != 10 || len(back.Targets) != len(r.Targets) {
+		t.Errorf("JSON round trip lost the fio floor or the targets")
+	}
+	for _, key := range []string{`"daemon_cpu_us_per_backing_page"`, `"read_engine"`, `"fio_floor"`, `"cpu_us_per_read"`, `"barrier"`, `"at_least"`} {
+		if !bytes.Contains(raw, []byte(key)) {
+			t.Errorf("JSON lacks %s", key)
+		}
 	}
 }
 

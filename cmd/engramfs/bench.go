@@ -24,27 +24,33 @@ func runBench(args []string) error {
 Measures, in one run on the same data and the same disk, how engram rows are
 gathered today and with engramfs:
 
-  1  pread            the shards, FADV_RANDOM, a pool of 32 goroutines × 16 rows
-  2  mmap             the shards mapped with MADV_RANDOM (decode: one thread;
-                      prefill: 96 goroutines); 2' the same without MADV_RANDOM
-  3  mmap+willneed    as 2, after fadvise(WILLNEED) on every row, one thread
-  4  engramfs         the mount's table files mapped as in 2, no hints
-  5  engramfs+hints   as 4, with a decode hint and barrier before each decode
-                      step, and each prefill chunk's hints sent while the
-                      previous chunk computes (--compute)
+  1  pread              the shards, FADV_RANDOM, a pool of 32 goroutines × 16 rows
+  2  mmap               the shards mapped with MADV_RANDOM (decode: one thread;
+                        prefill: 96 goroutines); 2' the same without MADV_RANDOM
+  3  mmap+willneed      the engines' v3 path: as 2, after fadvise(WILLNEED) on
+                        every row's range, then the gather on one thread
+  4  engramfs           the mount's table files mapped as in 2, no hints
+  4' engramfs+willneed  path 3's code on the mount's table files, no hints
+  5  engramfs+hints     as 4, with a decode hint and barrier before each decode
+                        step (the control handle's read barrier, or fsync on a
+                        daemon without it), and each prefill chunk's hints sent
+                        while the previous chunk computes (--compute)
 
-against the disk's own limit (4 KiB O_DIRECT random reads at QD1, 32, 64),
-on two geometries (4096/128-byte and 256/8-byte rows). Each path runs from a
-cold page cache (dropped as root before each path and phase). Decode: steps
-of 72 Zipf-popular rows per layer; prefill: chunks of 8192 tokens hashed to
-~31K unique rows per layer.
+against the disk's own limit (4 KiB O_DIRECT random reads at QD1, 32, 64) and,
+when fio is on PATH, fio's CPU per 4 KiB random read (io_uring, QD64, O_DIRECT,
+on a shard, --fio-time), on two geometries (4096/128-byte and 256/8-byte
+rows). Each path runs from a cold page cache (dropped as root before each path
+and phase). Decode: steps of 72 Zipf-popular rows per layer; prefill: chunks of
+8192 tokens hashed to ~31K unique rows per layer. For the daemon's paths it
+reports its CPU per 4 KiB backing page per phase and its read engine; then
+the targets (each a ratio of two figures of this run, its bound, met or missed).
 
 The models (8.2 GiB each by default) are generated once into --model-dir and
-reused. On a 2-CPU VM the full run takes about 5.5 minutes after generation
-(about 30 s per model); --quick takes under two minutes from scratch. Needs
-root and /dev/fuse for paths 4 and 5 (skipped otherwise). bench/README.md
-explains every column.`)
-	quick := fl.Bool("quick", false, "a short run (1.1 GiB models, fewer steps and chunks): under two minutes")
+reused. On a 2-CPU VM the full run takes several minutes after generation
+(about 30 s per model); --quick a few (5 on a busy one). Needs root and
+/dev/fuse for paths 4, 4' and 5 (skipped otherwise). bench/README.md explains
+every column and target.`)
+	quick := fl.Bool("quick", false, "a short run (1.1 GiB models, fewer steps and chunks): a few minutes")
 	cfg := bench.DefaultConfig()
 	geometries := fl.String("geometry", "big,flash", "geometries to measure: big (4096+128-byte rows), flash (256+8-byte rows)")
 	pathList := fl.String("paths", "", "paths to measure, comma-separated (default all): "+joinPaths())
@@ -64,6 +70,8 @@ explains every column.`)
 	fl.StringVar(&cfg.BackingIO, "backing-io", cfg.BackingIO, "daemon: engramfs mount --backing-io")
 	fl.IntVar(&cfg.PrefetchQueue, "prefetch-queue", 0, "daemon: engramfs mount --prefetch-queue (default: the daemon's)")
 	fl.StringVar(&cfg.CacheSize, "cache-size", "", "daemon: engramfs mount --cache-size, when the daemon has it (default: the daemon's)")
+	fl.StringVar(&cfg.ReadEngine, "read-engine", cfg.ReadEngine, "daemon: engramfs mount --read-engine auto|io_uring|pread, when the daemon has it")
+	fl.DurationVar(&cfg.FioRuntime, "fio-time", cfg.FioRuntime, "how long fio's 4 KiB random-read job (the CPU floor of a read) runs, whole seconds; 0 skips it")
 	fl.IntVar(&cfg.DaemonGOMAXPROCS, "daemon-gomaxprocs", 0, "daemon: run it with GOMAXPROCS=N (default: unset, the CPU count)")
 	fl.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the tables and workloads")
 	jsonOut := fl.String("json", "", "also write the full report as JSON to `FILE`")
@@ -107,6 +115,9 @@ explains every column.`)
 	}
 	if cfg.Drop, err = bench.ParseDropMode(*drop); err != nil {
 		return usageError{err}
+	}
+	if cfg.ReadEngine, err = bench.ParseReadEngine(cfg.ReadEngine); err != nil {
+		return usageError{fmt.Errorf("--read-engine: %w", err)}
 	}
 	if cfg.Binary, err = os.Executable(); err != nil {
 		return err
