@@ -189,6 +189,8 @@ func classify(err error, op string) error {
 			msg = ae.ErrorCode()
 		}
 		switch {
+		case code == 0: // the request was not sent, or no answer came: reset, refused, EOF
+			return retryablef("%s: %w", op, err)
 		case code == http.StatusPreconditionFailed:
 			return fmt.Errorf("%s: %w", op, errPrecondition)
 		case code == http.StatusNotFound:
@@ -196,7 +198,7 @@ func classify(err error, op string) error {
 		case code >= 500 || code == http.StatusTooManyRequests || code == http.StatusRequestTimeout:
 			return retryablef("%s: HTTP %d %s", op, code, msg)
 		default:
-			return fmt.Errorf("%s: HTTP %d %s", op, code, msg)
+			return fmt.Errorf("%s: HTTP %d %s: %w", op, code, msg, err)
 		}
 	}
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
