@@ -364,3 +364,114 @@ func TestCloseCancelsGETs(t *testing.T) {
 		t.Fatal("the read was not answered")
 	}
 }
+
+// Many random row reads through LoadSource and the Store, concurrently,
+// with 503s, resets, truncated bodies and 200s to range requests injected
+// at random, and one shard rewritten halfway: not one wrong byte. Reads of
+// the rewritten shard fail with ErrShardChanged, other failures only after
+// every attempt failed.
+func TestSoakNoWrongBytes(t *testing.T) {
+	dir := t.TempDir()
+	spec := backing.DefaultSynth()
+	spec.Rows = 2048
+	spec.FlashGeometry()
+	if err := backing.Synthesize(dir, spec); err != nil {
+		t.Fatal(err)
+	}
+	src, f, st := newFakeSource(t, dir, testConfig())
+	var rmu sync.Mutex
+	rng := rand.New(rand.NewPCG(11, 12))
+	f.fault = func(getReq, int) fault {
+		rmu.Lock()
+		defer rmu.Unlock()
+		switch x := rng.Float64(); {
+		case x < 0.08:
+			return fault503
+		case x < 0.12:
+			return faultTruncated
+		case x < 0.16:
+			return faultResetBody
+		case x < 0.18:
+			return faultReset
+		case x < 0.20:
+			return faultWhole200
+		}
+		return faultNone
+	}
+	m, err := backing.LoadSource(src, backing.DefaultTablePattern)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store, err := backing.Open(m, src, st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	shards := map[string][]byte{}
+	for _, sh := range m.Shards {
+		b, err := os.ReadFile(filepath.Join(dir, sh.Name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		shards[sh.Name] = b
+	}
+	const reads = 4000
+	var (
+		mu                             sync.Mutex
+		ok, wrong, changed, failed, rw int
+		rewritten                      = m.Shards[0].Name
+		after                          bool // the rewrite happened
+	)
+	var wg sync.WaitGroup
+	for i := 0; i < reads; i++ {
+		if i == reads/2 {
+			wg.Wait()
+			b := bytes.Clone(shards[rewritten])
+			for j := range b {
+				b[j] ^= 0xFF
+			}
+			f.put("m/"+rewritten, b)
+			mu.Lock()
+			after = true
+			mu.Unlock()
+		}
+		rmu.Lock()
+		tb := m.Tables[rng.IntN(len(m.Tables))]
+		row := rng.Int64N(int64(tb.Rows))
+		rows := 1 + rng.Int64N(min(64, int64(tb.Rows)-row))
+		rmu.Unlock()
+		off, n := row*tb.RowBytes, int(rows*tb.RowBytes)
+		want := shards[tb.Shard.Name][tb.DataStart+off : tb.DataStart+off+int64(n)]
+		wg.Add(1)
+		store.Submit(&backing.TableRead{Table: tb, Off: off, Len: n, Done: func(data []byte, err error) {
+			defer wg.Done()
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err == nil && bytes.Equal(data, want):
+				ok++
+			case err == nil:
+				wrong++
+			case errors.Is(err, backing.ErrShardChanged):
+				changed++
+				if !after || tb.Shard.Name != rewritten {
+					t.Errorf("ErrShardChanged before the rewrite or on another shard: %v", err)
+				}
+			default:
+				failed++
+			}
+			if after && tb.Shard.Name == rewritten && err == nil {
+				rw++
+			}
+		}})
+	}
+	wg.Wait()
+	t.Logf("%d reads: %d right, %d wrong, %d ErrShardChanged, %d failed after %d attempts; %d GETs, %d retries, %d ETag failures",
+		reads, ok, wrong, changed, failed, testConfig().Attempts, st.S3Gets.Load(), st.S3Retries.Load(), st.S3ETagFailures.Load())
+	if wrong != 0 || rw != 0 {
+		t.Fatalf("%d reads with wrong bytes, %d answered from the rewritten shard", wrong, rw)
+	}
+	if changed == 0 || ok < reads/3 || st.S3Retries.Load() == 0 {
+		t.Errorf("the soak did not exercise the faults: %d changed, %d right, %d retries", changed, ok, st.S3Retries.Load())
+	}
+}
