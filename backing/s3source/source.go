@@ -48,8 +48,6 @@ type Config struct {
 	// (default 5). HedgePercent 0 turns hedging off.
 	HedgeFloor   time.Duration
 	HedgePercent uint64
-	// Mirror is the local SSD mirror; off when Mirror.Dir is empty.
-	Mirror MirrorConfig
 }
 
 // DefaultConfig returns the defaults of Config.
@@ -69,7 +67,6 @@ type Source struct {
 	c      objectClient
 	cfg    Config
 	st     *stats.Counters
-	mirror *mirror // nil: no mirror
 
 	sem       chan struct{} // a slot per GET in flight
 	lat       latency
@@ -151,13 +148,6 @@ func newSource(c objectClient, bucket, prefix string, cfg Config, st *stats.Coun
 		c: c, cfg: cfg, st: st, sem: make(chan struct{}, cfg.Concurrency),
 	}
 	s.lat.floor = cfg.HedgeFloor
-	if cfg.Mirror.Dir != "" {
-		m, err := openMirror(cfg.Mirror, st)
-		if err != nil {
-			return nil, err
-		}
-		s.mirror = m
-	}
 	return s, nil
 }
 
@@ -200,19 +190,7 @@ func (s *Source) ReadFile(name string, limit int64) ([]byte, error) {
 
 // Open opens shard name: one HEAD for its size and ETag.
 func (s *Source) Open(name string) (backing.ShardFile, error) {
-	sh, err := s.open(name)
-	if err != nil {
-		return nil, err
-	}
-	if s.mirror != nil {
-		mf, err := s.mirror.open(name, sh.id)
-		if err != nil {
-			sh.Close()
-			return nil, err
-		}
-		sh.mirror = mf
-	}
-	return sh, nil
+	return s.open(name)
 }
 
 func (s *Source) open(name string) (*shard, error) {
@@ -240,16 +218,15 @@ func validName(name string) bool {
 
 // shard is one open object.
 type shard struct {
-	src    *Source
-	name   string
-	key    string
-	id     backing.Identity
-	mirror *mirrorFile // nil: no mirror
+	src  *Source
+	name string
+	key  string
+	id   backing.Identity
 
 	ctx    context.Context // canceled by Close: GETs in flight stop
 	cancel context.CancelFunc
 
-	// Close waits for the reads in flight: the mirror file must outlive them.
+	// Close waits for the reads in flight, so none outlives the shard.
 	mu       sync.RWMutex
 	closed   bool // GUARDED_BY(mu)
 	inflight sync.WaitGroup
@@ -334,23 +311,13 @@ func (sh *shard) Submit(reads ...*backing.ShardRead) {
 	}
 }
 
-// serve answers one span: from the mirror when it holds every page, else
-// from the store (and the mirror keeps a copy).
+// serve answers one span with one (hedged, retried) GET.
 func (sh *shard) serve(sp span) {
 	defer sh.inflight.Done()
-	if sh.mirror != nil {
-		if buf, ok := sh.mirror.read(sp.off, sp.n); ok {
-			sp.answer(buf)
-			return
-		}
-	}
 	buf, err := sh.fetch(sp.off, sp.n, true)
 	if err != nil {
 		sp.fail(err)
 		return
-	}
-	if sh.mirror != nil {
-		sh.mirror.write(sp.off, buf)
 	}
 	sp.answer(buf)
 }
@@ -513,8 +480,5 @@ func (sh *shard) Close() error {
 	sh.mu.Unlock()
 	sh.cancel()
 	sh.inflight.Wait()
-	if sh.mirror != nil {
-		return sh.mirror.close()
-	}
 	return nil
 }

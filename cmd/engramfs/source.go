@@ -8,8 +8,6 @@ import (
 	"strconv"
 	"time"
 
-	units "github.com/docker/go-units"
-
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/backing/s3source"
@@ -21,11 +19,9 @@ import (
 // AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, ...), never from
 // flags, and are never logged.
 type s3Flags struct {
-	s3Endpoint   string
-	s3Region     string
-	s3PathStyle  optionalBool
-	s3Mirror     string
-	s3MirrorSize string
+	s3Endpoint  string
+	s3Region    string
+	s3PathStyle optionalBool
 }
 
 func (f *s3Flags) register(fl interface {
@@ -37,10 +33,6 @@ func (f *s3Flags) register(fl interface {
 	fl.StringVar(&f.s3Region, "s3-region", "", "s3:// MODEL_DIR: the bucket's region (default: $AWS_REGION, else us-east-1)")
 	fl.Var(&f.s3PathStyle, "s3-path-style",
 		"s3:// MODEL_DIR: address buckets as ENDPOINT/bucket/key instead of bucket.ENDPOINT/key (default: true when --s3-endpoint is given)")
-	fl.StringVar(&f.s3Mirror, "s3-mirror", "",
-		"s3:// MODEL_DIR: keep the pages read in a sparse mirror of each shard in this directory (local SSD), reused by later mounts (off when empty)")
-	fl.StringVar(&f.s3MirrorSize, "s3-mirror-size", "0",
-		"s3:// MODEL_DIR: byte budget of --s3-mirror, e.g. 200G; 0 means no limit")
 }
 
 // optionalBool is a boolean flag that knows whether it was given.
@@ -70,7 +62,7 @@ func (b *optionalBool) IsBoolFlag() bool { return true }
 // or a local or NFS directory whose shards engine reads.
 func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Counters) (backing.Source, error) {
 	if !s3source.IsURL(arg) {
-		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set || mf.s3Mirror != "" {
+		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set {
 			return nil, usagef("--s3-* flags apply only to an s3://bucket/prefix MODEL_DIR, not %s", arg)
 		}
 		mode, err := backing.ParseIOMode(mf.backingIO)
@@ -94,13 +86,6 @@ func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Cou
 	cfg.Client = s3source.ClientConfig{Endpoint: mf.s3Endpoint, Region: mf.s3Region, PathStyle: mf.s3Endpoint != ""}
 	if mf.s3PathStyle.set {
 		cfg.Client.PathStyle = mf.s3PathStyle.value
-	}
-	if mf.s3Mirror != "" {
-		size, err := units.RAMInBytes(mf.s3MirrorSize)
-		if err != nil || size < 0 {
-			return nil, usagef("--s3-mirror-size %q: want a size such as 200G, or 0 for no limit", mf.s3MirrorSize)
-		}
-		cfg.Mirror = s3source.MirrorConfig{Dir: mf.s3Mirror, Bytes: size}
 	}
 	st.ReadEngine = "s3"
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)

@@ -45,8 +45,6 @@ var statMetrics = map[string]statMetric{
 	"s3_retries":       {"s3_retries_total", counter, "GETs sent again after a 5xx, 429, connection reset, truncated body or a 200 to a range request."},
 	"s3_hedges":        {"s3_hedges_total", counter, "Second GETs sent because the first had no first byte after the adaptive p95."},
 	"s3_etag_failures": {"s3_etag_failures_total", counter, "GETs refused with 412 Precondition Failed: the object was rewritten under the mount."},
-	"mirror_hits":      {"mirror_hits_total", counter, "Shard reads served from the local SSD mirror of the object store."},
-	"mirror_bytes":     {"mirror_bytes_total", counter, "Bytes read from the local SSD mirror of the object store."},
 
 	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the pinned hot tier after clamping to RLIMIT_MEMLOCK."},
 	"cache_used_bytes":     {"cache_used_bytes", gauge, "Bytes of table pages locked in the page cache now."},

@@ -33,10 +33,6 @@ type Counters struct {
 	S3Retries      atomic.Uint64 // GETs sent again after a 5xx, reset or truncated body
 	S3Hedges       atomic.Uint64 // second GETs sent because the first had no first byte after the p95
 	S3ETagFailures atomic.Uint64 // GETs refused with 412: the object changed under the mount
-	// Local SSD mirror of the object store (--s3-mirror): reads served from
-	// it, and their bytes.
-	MirrorHits  atomic.Uint64
-	MirrorBytes atomic.Uint64
 	// ReadEngine is how backing reads are issued: io_uring or pread. Set
 	// once, before the counters are shared.
 	ReadEngine string
@@ -130,8 +126,6 @@ type Snapshot struct {
 	S3Retries      uint64 `json:"s3_retries"`
 	S3Hedges       uint64 `json:"s3_hedges"`
 	S3ETagFailures uint64 `json:"s3_etag_failures"`
-	MirrorHits     uint64 `json:"mirror_hits"`
-	MirrorBytes    uint64 `json:"mirror_bytes"`
 
 	CacheCapacityBytes int64  `json:"cache_capacity_bytes"`
 	CacheUsedBytes     int64  `json:"cache_used_bytes"`
@@ -182,8 +176,6 @@ func (c *Counters) Snapshot() Snapshot {
 		S3Retries:      c.S3Retries.Load(),
 		S3Hedges:       c.S3Hedges.Load(),
 		S3ETagFailures: c.S3ETagFailures.Load(),
-		MirrorHits:     c.MirrorHits.Load(),
-		MirrorBytes:    c.MirrorBytes.Load(),
 
 		CacheCapacityBytes: c.CacheCapacityBytes.Load(),
 		CacheUsedBytes:     c.CacheUsedBytes.Load(),
