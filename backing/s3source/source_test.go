@@ -288,7 +288,9 @@ func TestMergesNearbyReads(t *testing.T) {
 // answers; hedges stay within 5% of GETs.
 func TestHedgesSlowGETs(t *testing.T) {
 	dir := synth(t)
-	src, f, st := newFakeSource(t, dir, testConfig())
+	cfg := testConfig()
+	cfg.AttemptTimeout = time.Hour // a stalled GET is answered by its hedge or not at all
+	src, f, st := newFakeSource(t, dir, cfg)
 	var slow sync.Map // getReq -> true: its next GET stalls
 	f.latency = func(g getReq, nth int) time.Duration {
 		if _, ok := slow.LoadAndDelete(g); ok {
@@ -314,8 +316,10 @@ func TestHedgesSlowGETs(t *testing.T) {
 			t.Fatalf("stalled page at %d: %v, or wrong bytes", off, errs[0])
 		}
 	}
-	if st.S3Hedges.Load() != 2 {
-		t.Errorf("%d hedges, want 2", st.S3Hedges.Load())
+	// At least the two stalled GETs were hedged (a loaded machine may push
+	// a fast GET past the p95 too: no timing is asserted).
+	if st.S3Hedges.Load() < 2 {
+		t.Errorf("%d hedges, want at least 2", st.S3Hedges.Load())
 	}
 	// Now every first GET of a range stalls for 50 ms: only 5% of the
 	// GETs may be hedged.
