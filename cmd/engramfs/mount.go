@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"os/signal"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
+	"github.com/engramfs/engramfs/backing/s3source"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/fs"
 	"github.com/engramfs/engramfs/internal/metrics"
@@ -38,6 +40,7 @@ type mountFlags struct {
 	stateFile    string
 	allowOther   bool
 	debugFUSE    bool
+	s3Flags
 	logFlags
 }
 
@@ -45,6 +48,7 @@ func (f *mountFlags) register(fl interface {
 	StringVar(*string, string, string, string)
 	IntVar(*int, string, int, string)
 	BoolVar(*bool, string, bool, string)
+	Var(flag.Value, string, string)
 }) {
 	fl.StringVar(&f.tablePattern, "table-pattern", backing.DefaultTablePattern,
 		"regular expression that picks the engram tables among the tensors; named groups `layer` and `table` say which layer and table a tensor is")
@@ -66,6 +70,7 @@ func (f *mountFlags) register(fl interface {
 		"warm restart: save the hot tier's page keys here on a clean stop, and fetch and pin them again on mount (off when empty)")
 	fl.StringVar(&f.injectFaults, "inject-faults", "",
 		"TESTING ONLY: inject backing faults, e.g. eio=0.01,short=0.01,latency=2ms,seed=7 (see README)")
+	f.s3Flags.register(fl)
 }
 
 func init() {
@@ -85,7 +90,12 @@ maps a file). The tree:
   .engramfs/control                 hints: write frames, fsync waits for them (owner only)
 
 MODEL_DIR holds model.safetensors.index.json and its shards, or *.safetensors
-files. Must run as root (or with the right to mount FUSE directly).`)
+files, in a directory or under an object store prefix s3://bucket/prefix
+(see the --s3-* flags; credentials come from the AWS environment variables).
+From an object store, every GET is a ranged GET of the bytes asked,
+conditional on the ETag seen at mount: a shard rewritten under the mount
+gives EIO, never other bytes. Must run as root (or with the right to mount
+FUSE directly).`)
 	var mf mountFlags
 	mf.register(fl)
 	mf.logFlags.register(fl)
@@ -178,18 +188,28 @@ type daemon struct {
 }
 
 func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*daemon, error) {
-	mode, err := backing.ParseIOMode(mf.backingIO)
-	if err != nil {
-		return nil, usageError{err}
-	}
 	if mf.queueDepth < 1 || mf.queueDepth > 4096 {
 		return nil, usagef("--queue-depth %d: want 1 to 4096", mf.queueDepth)
 	}
-	model, err := backing.Load(modelDir, mf.tablePattern)
+	engine, why, err := ioengine.New(mf.readEngine, mf.queueDepth)
 	if err != nil {
-		return nil, err
+		return nil, usageError{fmt.Errorf("--read-engine %s: %w", mf.readEngine, err)}
 	}
 	st := &stats.Counters{}
+	st.ReadEngine = engine.Name()
+	source, err := openSource(modelDir, mf, engine, st)
+	if err != nil {
+		engine.Close()
+		return nil, err
+	}
+	model, err := backing.LoadSource(source, mf.tablePattern)
+	if err != nil {
+		engine.Close()
+		return nil, err
+	}
+	if why != "" && !s3source.IsURL(modelDir) {
+		log.Warn("io_uring unavailable: reading shards with a pread worker pool", zap.String("reason", why))
+	}
 	st.SetLayers(model.Layers)
 	var reg *metrics.Server
 	if mf.metricsAddr != "" {
@@ -198,9 +218,11 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		st.Timings = timings
 		r, err := metrics.Registry(st, timings)
 		if err != nil {
+			engine.Close()
 			return nil, err
 		}
 		if reg, err = metrics.Serve(mf.metricsAddr, r, log); err != nil {
+			engine.Close()
 			return nil, usageError{fmt.Errorf("--metrics-addr %q: %w", mf.metricsAddr, err)}
 		}
 		log.Info("serving metrics", zap.String("addr", "http://"+reg.Addr()+"/metrics"))
@@ -210,16 +232,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 			_ = reg.Close()
 		}
 	}
-	engine, why, err := ioengine.New(mf.readEngine, mf.queueDepth)
-	if err != nil {
-		closeMetrics()
-		return nil, usageError{fmt.Errorf("--read-engine %s: %w", mf.readEngine, err)}
-	}
-	if why != "" {
-		log.Warn("io_uring unavailable: reading shards with a pread worker pool", zap.String("reason", why))
-	}
-	st.ReadEngine = engine.Name()
-	store, err := backing.Open(model, backing.NewLocalSource(modelDir, mode, engine, st), st)
+	store, err := backing.Open(model, source, st)
 	if err != nil {
 		engine.Close()
 		closeMetrics()

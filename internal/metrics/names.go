@@ -40,6 +40,12 @@ var statMetrics = map[string]statMetric{
 	"backing_errors":    {"backing_errors_total", counter, "Shard reads that failed (I/O error, short read, shard changed since mount)."},
 	"backing_fail_fast": {"backing_fail_fast_total", counter, "Pages failed at once, without a read, because their read failed less than a second ago."},
 
+	"s3_gets":          {"s3_gets_total", counter, "GETs sent to the object store, retries and hedges included."},
+	"s3_get_bytes":     {"s3_get_bytes_total", counter, "Body bytes received from the object store."},
+	"s3_retries":       {"s3_retries_total", counter, "GETs sent again after a 5xx, 429, connection reset, truncated body or a 200 to a range request."},
+	"s3_hedges":        {"s3_hedges_total", counter, "Second GETs sent because the first had no first byte after the adaptive p95."},
+	"s3_etag_failures": {"s3_etag_failures_total", counter, "GETs refused with 412 Precondition Failed: the object was rewritten under the mount."},
+
 	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the pinned hot tier after clamping to RLIMIT_MEMLOCK."},
 	"cache_used_bytes":     {"cache_used_bytes", gauge, "Bytes of table pages locked in the page cache now."},
 	"cache_hits":           {"cache_hits_total", counter, "Hinted or faulted pages found in the hot tier."},

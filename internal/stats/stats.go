@@ -26,6 +26,13 @@ type Counters struct {
 	// BackingFailFast counts pages failed again at once because their read
 	// failed less than a second ago (the loader's negative cache).
 	BackingFailFast atomic.Uint64
+	// Object store source (backing/s3source). S3Gets counts every GET sent
+	// (retries and hedges included), S3GetBytes the body bytes received.
+	S3Gets         atomic.Uint64
+	S3GetBytes     atomic.Uint64
+	S3Retries      atomic.Uint64 // GETs sent again after a 5xx, reset or truncated body
+	S3Hedges       atomic.Uint64 // second GETs sent because the first had no first byte after the p95
+	S3ETagFailures atomic.Uint64 // GETs refused with 412: the object changed under the mount
 	// ReadEngine is how backing reads are issued: io_uring or pread. Set
 	// once, before the counters are shared.
 	ReadEngine string
@@ -114,6 +121,12 @@ type Snapshot struct {
 	BackingFailFast uint64 `json:"backing_fail_fast"`
 	ReadEngine      string `json:"read_engine,omitempty"`
 
+	S3Gets         uint64 `json:"s3_gets"`
+	S3GetBytes     uint64 `json:"s3_get_bytes"`
+	S3Retries      uint64 `json:"s3_retries"`
+	S3Hedges       uint64 `json:"s3_hedges"`
+	S3ETagFailures uint64 `json:"s3_etag_failures"`
+
 	CacheCapacityBytes int64  `json:"cache_capacity_bytes"`
 	CacheUsedBytes     int64  `json:"cache_used_bytes"`
 	CacheHits          uint64 `json:"cache_hits"`
@@ -157,6 +170,12 @@ func (c *Counters) Snapshot() Snapshot {
 		BackingErrors:   c.BackingErrors.Load(),
 		BackingFailFast: c.BackingFailFast.Load(),
 		ReadEngine:      c.ReadEngine,
+
+		S3Gets:         c.S3Gets.Load(),
+		S3GetBytes:     c.S3GetBytes.Load(),
+		S3Retries:      c.S3Retries.Load(),
+		S3Hedges:       c.S3Hedges.Load(),
+		S3ETagFailures: c.S3ETagFailures.Load(),
 
 		CacheCapacityBytes: c.CacheCapacityBytes.Load(),
 		CacheUsedBytes:     c.CacheUsedBytes.Load(),

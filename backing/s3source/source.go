@@ -1,0 +1,484 @@
+// Package s3source serves a model's files from an object store (S3, Ceph
+// RGW, MinIO, SeaweedFS, versitygw): s3://bucket/prefix.
+//
+// It asks for the bytes the loader asks for and no more (no readahead: a
+// 4 KiB page costs one ranged GET of 4 KiB, where object-store filesystems
+// move 1-4 MiB per random read), merges reads submitted together that lie
+// within MergeGap of each other into one GET, hedges GETs that have no first
+// byte after the recent p95, and retries what a store fails transiently.
+// Every GET is conditional on the ETag seen at mount (If-Match): an object
+// rewritten under a live mount fails with backing.ErrShardChanged, never
+// with new or mixed bytes.
+package s3source
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// Config is how the source reads. DefaultConfig holds the defaults.
+type Config struct {
+	Client ClientConfig
+	// Concurrency is the most GETs in flight, hedges included (default 64).
+	Concurrency int
+	// MergeGap: reads submitted together at most this far apart are one GET
+	// (default 64 KiB); MaxGet bounds a merged GET (default 1 MiB).
+	MergeGap, MaxGet int64
+	// Attempts bounds the GETs of one read: the first and its retries
+	// (default 4). Backoff is the first retry's wait, doubled each time
+	// (default 20 ms), with jitter.
+	Attempts int
+	Backoff  time.Duration
+	// AttemptTimeout bounds one GET, body included (default 30 s).
+	AttemptTimeout time.Duration
+	// HedgeFloor is the least wait for a first byte before a hedge
+	// (default 5 ms); HedgePercent bounds hedges to this percentage of GETs
+	// (default 5). HedgePercent 0 turns hedging off.
+	HedgeFloor   time.Duration
+	HedgePercent uint64
+}
+
+// DefaultConfig returns the defaults of Config.
+func DefaultConfig() Config {
+	return Config{
+		Concurrency: 64, MergeGap: 64 << 10, MaxGet: 1 << 20,
+		Attempts: 4, Backoff: 20 * time.Millisecond, AttemptTimeout: 30 * time.Second,
+		HedgeFloor: 5 * time.Millisecond, HedgePercent: 5,
+	}
+}
+
+// Source is a model directory in an object store: the objects directly
+// under s3://bucket/prefix/.
+type Source struct {
+	url    string // s3://bucket/prefix, for messages; no credentials
+	prefix string // "" or ending in "/"
+	c      objectClient
+	cfg    Config
+	st     *stats.Counters
+
+	sem       chan struct{} // a slot per GET in flight
+	lat       latency
+	primaries atomic.Uint64 // demand GETs that may be hedged
+	hedges    atomic.Uint64
+}
+
+var _ backing.Source = (*Source)(nil)
+
+// IsURL reports whether a MODEL_DIR argument names an object store.
+func IsURL(s string) bool { return strings.HasPrefix(s, "s3://") }
+
+// ParseURL splits s3://bucket/prefix.
+func ParseURL(s string) (bucket, prefix string, err error) {
+	rest, ok := strings.CutPrefix(s, "s3://")
+	if !ok {
+		return "", "", fmt.Errorf("%q: not an s3://bucket/prefix URL", s)
+	}
+	bucket, prefix, _ = strings.Cut(rest, "/")
+	if bucket == "" {
+		return "", "", fmt.Errorf("%q: no bucket", s)
+	}
+	prefix = strings.Trim(prefix, "/")
+	if prefix != "" {
+		prefix += "/"
+	}
+	return bucket, prefix, nil
+}
+
+// New opens the source named by url (s3://bucket/prefix). st counts its
+// requests; it may be nil.
+func New(ctx context.Context, url string, cfg Config, st *stats.Counters) (*Source, error) {
+	bucket, prefix, err := ParseURL(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg = withDefaults(cfg)
+	cfg.Client.Conns = cfg.Concurrency
+	c, err := newSDKClient(ctx, bucket, cfg.Client)
+	if err != nil {
+		return nil, err
+	}
+	return newSource(c, bucket, prefix, cfg, st)
+}
+
+func withDefaults(cfg Config) Config {
+	d := DefaultConfig()
+	if cfg.Concurrency <= 0 {
+		cfg.Concurrency = d.Concurrency
+	}
+	if cfg.MaxGet <= 0 {
+		cfg.MaxGet = d.MaxGet
+	}
+	if cfg.MergeGap < 0 {
+		cfg.MergeGap = 0
+	}
+	if cfg.Attempts <= 0 {
+		cfg.Attempts = d.Attempts
+	}
+	if cfg.Backoff <= 0 {
+		cfg.Backoff = d.Backoff
+	}
+	if cfg.AttemptTimeout <= 0 {
+		cfg.AttemptTimeout = d.AttemptTimeout
+	}
+	if cfg.HedgeFloor <= 0 {
+		cfg.HedgeFloor = d.HedgeFloor
+	}
+	return cfg
+}
+
+func newSource(c objectClient, bucket, prefix string, cfg Config, st *stats.Counters) (*Source, error) {
+	if st == nil {
+		st = &stats.Counters{}
+	}
+	cfg = withDefaults(cfg)
+	s := &Source{
+		url: "s3://" + bucket + "/" + strings.TrimSuffix(prefix, "/"), prefix: prefix,
+		c: c, cfg: cfg, st: st, sem: make(chan struct{}, cfg.Concurrency),
+	}
+	s.lat.floor = cfg.HedgeFloor
+	return s, nil
+}
+
+func (s *Source) String() string { return strings.TrimSuffix(s.url, "/") }
+
+// List lists the objects directly under the prefix whose names end in
+// suffix, sorted.
+func (s *Source) List(suffix string) ([]string, error) {
+	keys, err := s.c.List(context.Background(), s.prefix)
+	if err != nil {
+		return nil, fmt.Errorf("model %s: %w", s, err)
+	}
+	var names []string
+	for _, k := range keys {
+		name, ok := strings.CutPrefix(k, s.prefix)
+		if ok && name != "" && !strings.Contains(name, "/") && strings.HasSuffix(name, suffix) {
+			names = append(names, name)
+		}
+	}
+	slices.Sort(names)
+	return names, nil
+}
+
+// ReadFile reads a small object whole: a HEAD, then one GET conditional on
+// the ETag the HEAD saw.
+func (s *Source) ReadFile(name string, limit int64) ([]byte, error) {
+	sh, err := s.open(name)
+	if err != nil {
+		return nil, err
+	}
+	defer sh.Close()
+	if sh.id.Size > limit {
+		return nil, fmt.Errorf("%s: %d bytes, over the limit of %d", sh.url(), sh.id.Size, limit)
+	}
+	if sh.id.Size == 0 {
+		return []byte{}, nil
+	}
+	return sh.fetch(0, sh.id.Size, false)
+}
+
+// Open opens shard name: one HEAD for its size and ETag.
+func (s *Source) Open(name string) (backing.ShardFile, error) {
+	return s.open(name)
+}
+
+func (s *Source) open(name string) (*shard, error) {
+	if !validName(name) {
+		return nil, fmt.Errorf("%s/%s: not a name inside the model", s, name)
+	}
+	key := s.prefix + name
+	size, etag, err := s.c.Head(context.Background(), key)
+	if err != nil {
+		return nil, fmt.Errorf("%s/%s: %w", s, name, err) // fs.ErrNotExist stays visible
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &shard{src: s, name: name, key: key, id: backing.Identity{Size: size, ETag: etag}, ctx: ctx, cancel: cancel}, nil
+}
+
+// validName accepts names with directories that stay inside the model.
+func validName(name string) bool {
+	for _, part := range strings.Split(name, "/") {
+		if part == "" || part == "." || part == ".." {
+			return false
+		}
+	}
+	return true
+}
+
+// shard is one open object.
+type shard struct {
+	src  *Source
+	name string
+	key  string
+	id   backing.Identity
+
+	ctx    context.Context // canceled by Close: GETs in flight stop
+	cancel context.CancelFunc
+
+	// Close waits for the reads in flight, so none outlives the shard.
+	mu       sync.RWMutex
+	closed   bool // GUARDED_BY(mu)
+	inflight sync.WaitGroup
+}
+
+var _ backing.ShardFile = (*shard)(nil)
+
+func (sh *shard) url() string                { return sh.src.String() + "/" + sh.name }
+func (sh *shard) Identity() backing.Identity { return sh.id }
+
+// ReadAt reads synchronously (headers): one GET, retried, not hedged.
+func (sh *shard) ReadAt(p []byte, off int64) (int, error) {
+	if off < 0 {
+		return 0, fmt.Errorf("%s: negative offset %d", sh.url(), off)
+	}
+	if off >= sh.id.Size {
+		return 0, io.EOF
+	}
+	n := min(int64(len(p)), sh.id.Size-off)
+	if n == 0 {
+		return 0, nil
+	}
+	if !sh.enter(1) {
+		return 0, fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
+	}
+	defer sh.inflight.Done()
+	data, err := sh.fetch(off, n, false)
+	if err != nil {
+		return 0, err
+	}
+	copy(p, data)
+	if n < int64(len(p)) {
+		return int(n), io.EOF
+	}
+	return int(n), nil
+}
+
+// enter counts k reads in flight, unless the shard is closed.
+func (sh *shard) enter(k int) bool {
+	sh.mu.RLock()
+	defer sh.mu.RUnlock()
+	if sh.closed {
+		return false
+	}
+	sh.inflight.Add(k)
+	return true
+}
+
+// Submit merges the reads into spans and starts a goroutine per span; it
+// never waits for a GET (the spans wait for a slot).
+func (sh *shard) Submit(reads ...*backing.ShardRead) {
+	valid := make([]*backing.ShardRead, 0, len(reads))
+	for _, r := range reads {
+		switch {
+		case r.Off < 0 || r.Len < 0 || r.Off > sh.id.Size || int64(r.Len) > sh.id.Size-r.Off:
+			r.Done(nil, fmt.Errorf("%s: read [%d, +%d) outside its %d bytes", sh.url(), r.Off, r.Len, sh.id.Size))
+		case r.Len == 0:
+			r.Done([]byte{}, nil)
+		default:
+			valid = append(valid, r)
+		}
+	}
+	if len(valid) == 0 {
+		return
+	}
+	spans := plan(valid, sh.src.cfg.MergeGap, sh.src.cfg.MaxGet)
+	if !sh.enter(len(spans)) {
+		err := fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
+		for _, sp := range spans {
+			sp.fail(err)
+		}
+		return
+	}
+	var bytes int64
+	for _, sp := range spans {
+		bytes += sp.n
+	}
+	sh.src.st.BackingReads.Add(uint64(len(spans)))
+	sh.src.st.BackingBytes.Add(uint64(bytes))
+	for _, sp := range spans {
+		go sh.serve(sp)
+	}
+}
+
+// serve answers one span with one (hedged, retried) GET.
+func (sh *shard) serve(sp span) {
+	defer sh.inflight.Done()
+	buf, err := sh.fetch(sp.off, sp.n, true)
+	if err != nil {
+		sp.fail(err)
+		return
+	}
+	sp.answer(buf)
+}
+
+// fetch GETs bytes [off, off+n), retrying what may succeed another time.
+func (sh *shard) fetch(off, n int64, hedge bool) ([]byte, error) {
+	cfg := &sh.src.cfg
+	for attempt := 1; ; attempt++ {
+		buf, err := sh.get(off, n, hedge)
+		if err == nil {
+			return buf, nil
+		}
+		switch {
+		case sh.ctx.Err() != nil:
+			return nil, fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
+		case errors.Is(err, errPrecondition):
+			sh.src.st.S3ETagFailures.Add(1)
+			return nil, fmt.Errorf("%s: offset %d: %w: %v (ETag at mount %s)", sh.url(), off, backing.ErrShardChanged, err, sh.id.ETag)
+		case errors.Is(err, fs.ErrNotExist):
+			return nil, fmt.Errorf("%s: offset %d: %w: the object is gone: %v", sh.url(), off, backing.ErrShardChanged, err)
+		case !errors.Is(err, errRetryable) || attempt >= cfg.Attempts:
+			return nil, fmt.Errorf("%s: offset %d: %d attempts: %w", sh.url(), off, attempt, err)
+		}
+		sh.src.st.S3Retries.Add(1)
+		wait := cfg.Backoff << (attempt - 1)
+		wait = wait/2 + rand.N(wait/2+1)
+		select {
+		case <-time.After(wait):
+		case <-sh.ctx.Done():
+		}
+	}
+}
+
+// attemptResult is the outcome of one GET.
+type attemptResult struct {
+	buf []byte
+	err error
+}
+
+// get is one try at bytes [off, off+n): a GET, and when hedge is set and
+// no first byte came after the adaptive p95, a second GET; the first to
+// deliver the whole body wins and the other is canceled.
+func (sh *shard) get(off, n int64, hedge bool) ([]byte, error) {
+	s := sh.src
+	select {
+	case s.sem <- struct{}{}:
+	case <-sh.ctx.Done():
+		return nil, sh.ctx.Err()
+	}
+	ctx, cancel := context.WithCancel(sh.ctx)
+	defer cancel() // stops the loser
+	results := make(chan attemptResult, 2)
+	firstByte := make(chan struct{}, 2)
+	sh.inflight.Add(1)
+	go sh.attempt(ctx, off, n, firstByte, results)
+	pending := 1
+
+	var timer <-chan time.Time
+	if hedge && s.cfg.HedgePercent > 0 {
+		s.primaries.Add(1)
+		if d := s.lat.delay(); d > 0 {
+			t := time.NewTimer(d)
+			defer t.Stop()
+			timer = t.C
+		}
+	}
+	var firstErr error
+	for {
+		select {
+		case <-firstByte:
+			timer = nil // the GET is answering: no hedge
+		case <-timer:
+			timer = nil
+			if s.allowHedge() && s.trySlot() {
+				s.st.S3Hedges.Add(1)
+				sh.inflight.Add(1)
+				go sh.attempt(ctx, off, n, firstByte, results)
+				pending++
+			}
+		case r := <-results:
+			pending--
+			if r.err == nil {
+				return r.buf, nil
+			}
+			if firstErr == nil || errors.Is(r.err, errPrecondition) {
+				firstErr = r.err
+			}
+			// A hedge may still deliver; a 412 will not get better.
+			if pending == 0 || !errors.Is(r.err, errRetryable) {
+				return nil, firstErr
+			}
+		}
+	}
+}
+
+// allowHedge keeps hedges within HedgePercent of demand GETs.
+func (s *Source) allowHedge() bool {
+	h := s.hedges.Add(1)
+	if h*100 > s.primaries.Load()*s.cfg.HedgePercent {
+		s.hedges.Add(^uint64(0))
+		return false
+	}
+	return true
+}
+
+// trySlot takes a GET slot if one is free: a hedge never waits for one.
+func (s *Source) trySlot() bool {
+	select {
+	case s.sem <- struct{}{}:
+		return true
+	default:
+		return false
+	}
+}
+
+// attempt runs one GET holding a slot (taken by the caller) and reads the
+// whole body.
+func (sh *shard) attempt(ctx context.Context, off, n int64, firstByte chan<- struct{}, out chan<- attemptResult) {
+	s := sh.src
+	defer func() { <-s.sem; sh.inflight.Done() }()
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.AttemptTimeout)
+	defer cancel()
+	s.st.S3Gets.Add(1)
+	start := time.Now()
+	body, err := s.c.GetRange(ctx, sh.key, off, n, sh.id.ETag)
+	if err != nil {
+		out <- attemptResult{err: timedOut(ctx, err)}
+		return
+	}
+	s.lat.add(time.Since(start))
+	firstByte <- struct{}{}
+	buf := make([]byte, n)
+	got, err := io.ReadFull(body, buf)
+	body.Close()
+	s.st.S3GetBytes.Add(uint64(got))
+	if err != nil {
+		out <- attemptResult{err: timedOut(ctx, retryablef("GET %s: range [%d, +%d): body cut short at %d bytes: %v", sh.key, off, n, got, err))}
+		return
+	}
+	out <- attemptResult{buf: buf}
+}
+
+// timedOut makes a GET that hit its own deadline retryable.
+func timedOut(ctx context.Context, err error) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) && !errors.Is(err, errRetryable) {
+		return retryable(err)
+	}
+	return err
+}
+
+// Close fails later reads with ErrClosed, cancels the GETs in flight and
+// waits for them.
+func (sh *shard) Close() error {
+	sh.mu.Lock()
+	if sh.closed {
+		sh.mu.Unlock()
+		return nil
+	}
+	sh.closed = true
+	sh.mu.Unlock()
+	sh.cancel()
+	sh.inflight.Wait()
+	return nil
+}

@@ -1,0 +1,481 @@
+package s3source
+
+import (
+	"bytes"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/backing/sourcetest"
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// testConfig retries quickly: the tests inject many faults.
+func testConfig() Config {
+	cfg := DefaultConfig()
+	cfg.Backoff = time.Millisecond
+	return cfg
+}
+
+func newFakeSource(t *testing.T, dir string, cfg Config) (*Source, *fakeStore, *stats.Counters) {
+	t.Helper()
+	f := newFakeStore()
+	if err := f.upload(dir, "m/"); err != nil {
+		t.Fatal(err)
+	}
+	st := &stats.Counters{}
+	src, err := newSource(f, "bucket", "m/", cfg, st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src, f, st
+}
+
+func synth(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	if err := backing.Synthesize(dir, sourcetest.Spec()); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func TestConformanceFake(t *testing.T) {
+	sourcetest.Run(t, func(t *testing.T, dir string) backing.Source {
+		src, _, _ := newFakeSource(t, dir, testConfig())
+		return src
+	})
+}
+
+func TestParseURL(t *testing.T) {
+	for in, want := range map[string][2]string{
+		"s3://b":           {"b", ""},
+		"s3://b/":          {"b", ""},
+		"s3://b/p":         {"b", "p/"},
+		"s3://b/p/q/":      {"b", "p/q/"},
+		"s3://b//p//":      {"b", "p/"},
+		"s3://my.bucket/x": {"my.bucket", "x/"},
+	} {
+		b, p, err := ParseURL(in)
+		if err != nil || b != want[0] || p != want[1] {
+			t.Errorf("ParseURL(%q) = %q, %q, %v; want %q, %q", in, b, p, err, want[0], want[1])
+		}
+	}
+	for _, bad := range []string{"", "/models", "s3://", "s3:///p", "gs://b/p"} {
+		if _, _, err := ParseURL(bad); err == nil {
+			t.Errorf("ParseURL(%q): no error", bad)
+		}
+	}
+}
+
+func TestPlan(t *testing.T) {
+	rd := func(off int64, n int) *backing.ShardRead { return &backing.ShardRead{Off: off, Len: n} }
+	// One span: adjacent, a gap of exactly 64 KiB, overlapping. It ends at
+	// 8192+64 KiB+100+8000 = 81828.
+	reads := []*backing.ShardRead{
+		rd(400<<10, 4096), // far from the rest: its own span
+		rd(0, 4096),
+		rd(4096, 4096),
+		rd(8192+64<<10, 4096),
+		rd(8192+64<<10+100, 8000),
+		rd(81828+64<<10+1, 1), // a gap of 64 KiB + 1: a span of its own
+		rd(10<<20, 3<<20),     // longer than max: alone
+	}
+	spans := plan(reads, 64<<10, 1<<20)
+	type got struct {
+		off, n int64
+		reads  int
+	}
+	var have []got
+	for _, s := range spans {
+		have = append(have, got{s.off, s.n, len(s.reads)})
+	}
+	want := []got{
+		{0, 81828, 4},
+		{81828 + 64<<10 + 1, 1, 1},
+		{400 << 10, 4096, 1},
+		{10 << 20, 3 << 20, 1},
+	}
+	if len(have) != len(want) {
+		t.Fatalf("plan = %v, want %v", have, want)
+	}
+	for i := range want {
+		if have[i] != want[i] {
+			t.Errorf("span %d = %+v, want %+v", i, have[i], want[i])
+		}
+	}
+	// The 1 MiB bound: 300 pages 8 KiB apart make spans of at most 1 MiB.
+	reads = reads[:0]
+	for i := int64(0); i < 300; i++ {
+		reads = append(reads, rd(i*8192, 4096))
+	}
+	total := 0
+	for _, s := range plan(reads, 64<<10, 1<<20) {
+		if s.n > 1<<20 {
+			t.Errorf("span of %d bytes, over 1 MiB", s.n)
+		}
+		total += len(s.reads)
+	}
+	if total != 300 {
+		t.Errorf("spans answer %d reads, want 300", total)
+	}
+}
+
+// shardBytes is the local copy of the first shard, and the shard opened
+// through src.
+func shardBytes(t *testing.T, dir string, src *Source) ([]byte, backing.ShardFile) {
+	t.Helper()
+	names, err := src.List(".safetensors")
+	if err != nil || len(names) == 0 {
+		t.Fatalf("List: %v, %v", names, err)
+	}
+	want, err := os.ReadFile(filepath.Join(dir, names[0]))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sf, err := src.Open(names[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sf.Close() })
+	return want, sf
+}
+
+// readPages submits the pages at offs in one call and waits.
+func readPages(t *testing.T, sf backing.ShardFile, offs []int64, n int) ([][]byte, []error) {
+	t.Helper()
+	data, errs := make([][]byte, len(offs)), make([]error, len(offs))
+	var wg sync.WaitGroup
+	wg.Add(len(offs))
+	reads := make([]*backing.ShardRead, len(offs))
+	for i, off := range offs {
+		reads[i] = &backing.ShardRead{Off: off, Len: n, Done: func(b []byte, err error) {
+			data[i], errs[i] = b, err
+			wg.Done()
+		}}
+	}
+	sf.Submit(reads...)
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Minute):
+		t.Fatal("reads not answered within 2 minutes")
+	}
+	return data, errs
+}
+
+// Every kind of transient fault, on the first GETs of every range: the
+// reads still get exactly their bytes, after retries.
+func TestRetriesTransientFaults(t *testing.T) {
+	dir := synth(t)
+	for _, flt := range []fault{fault503, faultReset, faultResetBody, faultTruncated, faultWhole200, faultWrongRange} {
+		src, f, st := newFakeSource(t, dir, testConfig())
+		f.fault = func(g getReq, nth int) fault {
+			if nth < 2 {
+				return flt
+			}
+			return faultNone
+		}
+		want, sf := shardBytes(t, dir, src)
+		offs := []int64{0, 300 << 10, 1 << 20}
+		data, errs := readPages(t, sf, offs, 4096)
+		for i, off := range offs {
+			if errs[i] != nil || !bytes.Equal(data[i], want[off:off+4096]) {
+				t.Fatalf("fault %d: page at %d: %v, or wrong bytes", flt, off, errs[i])
+			}
+		}
+		if got := st.S3Retries.Load(); got != 2*uint64(len(offs)) {
+			t.Errorf("fault %d: %d retries, want %d", flt, got, 2*len(offs))
+		}
+		if got := st.S3Gets.Load(); got != 3*uint64(len(offs)) {
+			t.Errorf("fault %d: %d GETs, want %d", flt, got, 3*len(offs))
+		}
+	}
+}
+
+// A fault that does not go away fails the read after Attempts GETs, with an
+// error and no bytes.
+func TestGivesUp(t *testing.T) {
+	dir := synth(t)
+	src, f, st := newFakeSource(t, dir, testConfig())
+	f.fault = func(getReq, int) fault { return fault503 }
+	_, sf := shardBytes(t, dir, src)
+	data, errs := readPages(t, sf, []int64{8192}, 4096)
+	if errs[0] == nil || data[0] != nil {
+		t.Fatalf("a read that always gets 503: %d bytes, %v", len(data[0]), errs[0])
+	}
+	if !backing.PageError(errs[0]) {
+		t.Errorf("a 503 is not a page error: %v", errs[0])
+	}
+	if got := st.S3Gets.Load(); got != uint64(testConfig().Attempts) {
+		t.Errorf("%d GETs, want %d", got, testConfig().Attempts)
+	}
+}
+
+// An object rewritten under the mount: every later read fails with
+// ErrShardChanged (the GET is conditional on the old ETag), never new bytes.
+func TestETagChange(t *testing.T) {
+	dir := synth(t)
+	src, f, st := newFakeSource(t, dir, testConfig())
+	want, sf := shardBytes(t, dir, src)
+	if data, errs := readPages(t, sf, []int64{4096}, 4096); errs[0] != nil || !bytes.Equal(data[0], want[4096:8192]) {
+		t.Fatalf("before the rewrite: %v", errs[0])
+	}
+	changed := bytes.Clone(want)
+	for i := range changed {
+		changed[i] ^= 0x5A
+	}
+	f.put("m/"+sf.(*shard).name, changed)
+	data, errs := readPages(t, sf, []int64{4096, 1 << 20}, 4096)
+	for i := range errs {
+		if !errors.Is(errs[i], backing.ErrShardChanged) || data[i] != nil {
+			t.Fatalf("after the rewrite: %d bytes, %v; want ErrShardChanged", len(data[i]), errs[i])
+		}
+	}
+	if backing.PageError(errs[0]) {
+		t.Error("ErrShardChanged is a page error: the loader would retry page by page")
+	}
+	if st.S3ETagFailures.Load() != 2 || st.S3Retries.Load() != 0 {
+		t.Errorf("etag failures %d (want 2), retries %d (want 0)", st.S3ETagFailures.Load(), st.S3Retries.Load())
+	}
+	if _, err := sf.ReadAt(make([]byte, 10), 0); !errors.Is(err, backing.ErrShardChanged) {
+		t.Errorf("ReadAt after the rewrite: %v, want ErrShardChanged", err)
+	}
+}
+
+// Reads submitted together within 64 KiB are one GET of exactly their
+// span; reads far apart are a GET each; nothing else is asked for.
+func TestMergesNearbyReads(t *testing.T) {
+	dir := synth(t)
+	src, f, st := newFakeSource(t, dir, testConfig())
+	want, sf := shardBytes(t, dir, src)
+	offs := []int64{40960, 8192, 8192 + 4096, 1 << 20, 40960 + 64<<10 + 4096}
+	data, errs := readPages(t, sf, offs, 4096)
+	for i, off := range offs {
+		if errs[i] != nil || !bytes.Equal(data[i], want[off:off+4096]) {
+			t.Fatalf("page at %d: %v, or wrong bytes", off, errs[i])
+		}
+	}
+	got := map[getReq]bool{}
+	for _, g := range f.getLog() {
+		got[g] = true
+	}
+	key := "m/" + sf.(*shard).name
+	wantGets := map[getReq]bool{
+		{key, 8192, 40960 + 64<<10 + 8192 - 8192}: true,
+		{key, 1 << 20, 4096}:                      true,
+	}
+	if len(got) != len(wantGets) {
+		t.Fatalf("GETs %v, want %v", got, wantGets)
+	}
+	for g := range wantGets {
+		if !got[g] {
+			t.Errorf("GETs %v lack %v", got, g)
+		}
+	}
+	if st.BackingReads.Load() != 2 || st.S3Gets.Load() != 2 {
+		t.Errorf("backing reads %d, GETs %d; want 2 and 2", st.BackingReads.Load(), st.S3Gets.Load())
+	}
+}
+
+// A GET with no first byte after the p95 gets a second GET, which
+// answers; hedges stay within 5% of GETs.
+func TestHedgesSlowGETs(t *testing.T) {
+	dir := synth(t)
+	cfg := testConfig()
+	cfg.AttemptTimeout = time.Hour // a stalled GET is answered by its hedge or not at all
+	src, f, st := newFakeSource(t, dir, cfg)
+	var slow sync.Map // getReq -> true: its next GET stalls
+	f.latency = func(g getReq, nth int) time.Duration {
+		if _, ok := slow.LoadAndDelete(g); ok {
+			return time.Hour // canceled when the hedge wins
+		}
+		return 0
+	}
+	want, sf := shardBytes(t, dir, src)
+	rng := rand.New(rand.NewPCG(5, 6))
+	size := int64(len(want))
+	// Warm the latency window: 200 fast GETs, one at a time.
+	for i := 0; i < 200; i++ {
+		off := rng.Int64N(size/4096) * 4096
+		if _, errs := readPages(t, sf, []int64{off}, min(4096, int(size-off))); errs[0] != nil {
+			t.Fatal(errs[0])
+		}
+	}
+	// Two stalled GETs: both hedged, both answered by the hedge.
+	for _, off := range []int64{8192, 1 << 20} {
+		slow.Store(getReq{"m/" + sf.(*shard).name, off, 4096}, true)
+		data, errs := readPages(t, sf, []int64{off}, 4096)
+		if errs[0] != nil || !bytes.Equal(data[0], want[off:off+4096]) {
+			t.Fatalf("stalled page at %d: %v, or wrong bytes", off, errs[0])
+		}
+	}
+	// At least the two stalled GETs were hedged (a loaded machine may push
+	// a fast GET past the p95 too: no timing is asserted).
+	if st.S3Hedges.Load() < 2 {
+		t.Errorf("%d hedges, want at least 2", st.S3Hedges.Load())
+	}
+	// Now every first GET of a range stalls for 50 ms: only 5% of the
+	// GETs may be hedged.
+	f.mu.Lock()
+	f.latency = func(g getReq, nth int) time.Duration {
+		if nth == 0 {
+			return 50 * time.Millisecond
+		}
+		return 0
+	}
+	f.mu.Unlock()
+	before := st.S3Hedges.Load()
+	for i := 0; i < 50; i++ {
+		off := rng.Int64N(size/4096-1) * 4096
+		if _, errs := readPages(t, sf, []int64{off}, 4096); errs[0] != nil {
+			t.Fatal(errs[0])
+		}
+	}
+	hedges, primaries := st.S3Hedges.Load(), src.primaries.Load()
+	if hedges*100 > primaries*5 {
+		t.Errorf("%d hedges for %d demand GETs: over 5%%", hedges, primaries)
+	}
+	if hedges == before {
+		t.Errorf("no hedge among 50 GETs that all stall: the budget is never used")
+	}
+}
+
+// Close cancels a GET in flight: the read fails with ErrClosed, Close
+// returns.
+func TestCloseCancelsGETs(t *testing.T) {
+	dir := synth(t)
+	src, f, _ := newFakeSource(t, dir, testConfig())
+	f.latency = func(getReq, int) time.Duration { return time.Hour }
+	_, sf := shardBytes(t, dir, src)
+	errc := make(chan error, 1)
+	sf.Submit(&backing.ShardRead{Off: 0, Len: 4096, Done: func(_ []byte, err error) { errc <- err }})
+	if err := sf.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-errc:
+		if !errors.Is(err, backing.ErrClosed) {
+			t.Errorf("read canceled by Close: %v, want ErrClosed", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the read was not answered")
+	}
+}
+
+// Many random row reads through LoadSource and the Store, concurrently,
+// with 503s, resets, truncated bodies and 200s to range requests injected
+// at random, and one shard rewritten halfway: not one wrong byte. Reads of
+// the rewritten shard fail with ErrShardChanged, other failures only after
+// every attempt failed.
+func TestSoakNoWrongBytes(t *testing.T) {
+	dir := t.TempDir()
+	spec := backing.DefaultSynth()
+	spec.Rows = 2048
+	spec.FlashGeometry()
+	if err := backing.Synthesize(dir, spec); err != nil {
+		t.Fatal(err)
+	}
+	src, f, st := newFakeSource(t, dir, testConfig())
+	var rmu sync.Mutex
+	rng := rand.New(rand.NewPCG(11, 12))
+	f.fault = func(getReq, int) fault {
+		rmu.Lock()
+		defer rmu.Unlock()
+		switch x := rng.Float64(); {
+		case x < 0.08:
+			return fault503
+		case x < 0.12:
+			return faultTruncated
+		case x < 0.16:
+			return faultResetBody
+		case x < 0.18:
+			return faultReset
+		case x < 0.20:
+			return faultWhole200
+		}
+		return faultNone
+	}
+	m, err := backing.LoadSource(src, backing.DefaultTablePattern)
+	if err != nil {
+		t.Fatal(err)
+	}
+	store, err := backing.Open(m, src, st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	shards := map[string][]byte{}
+	for _, sh := range m.Shards {
+		b, err := os.ReadFile(filepath.Join(dir, sh.Name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		shards[sh.Name] = b
+	}
+	const reads = 4000
+	var (
+		mu                             sync.Mutex
+		ok, wrong, changed, failed, rw int
+		rewritten                      = m.Shards[0].Name
+		after                          bool // the rewrite happened
+	)
+	var wg sync.WaitGroup
+	for i := 0; i < reads; i++ {
+		if i == reads/2 {
+			wg.Wait()
+			b := bytes.Clone(shards[rewritten])
+			for j := range b {
+				b[j] ^= 0xFF
+			}
+			f.put("m/"+rewritten, b)
+			mu.Lock()
+			after = true
+			mu.Unlock()
+		}
+		rmu.Lock()
+		tb := m.Tables[rng.IntN(len(m.Tables))]
+		row := rng.Int64N(int64(tb.Rows))
+		rows := 1 + rng.Int64N(min(64, int64(tb.Rows)-row))
+		rmu.Unlock()
+		off, n := row*tb.RowBytes, int(rows*tb.RowBytes)
+		want := shards[tb.Shard.Name][tb.DataStart+off : tb.DataStart+off+int64(n)]
+		wg.Add(1)
+		store.Submit(&backing.TableRead{Table: tb, Off: off, Len: n, Done: func(data []byte, err error) {
+			defer wg.Done()
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err == nil && bytes.Equal(data, want):
+				ok++
+			case err == nil:
+				wrong++
+			case errors.Is(err, backing.ErrShardChanged):
+				changed++
+				if !after || tb.Shard.Name != rewritten {
+					t.Errorf("ErrShardChanged before the rewrite or on another shard: %v", err)
+				}
+			default:
+				failed++
+			}
+			if after && tb.Shard.Name == rewritten && err == nil {
+				rw++
+			}
+		}})
+	}
+	wg.Wait()
+	t.Logf("%d reads: %d right, %d wrong, %d ErrShardChanged, %d failed after %d attempts; %d GETs, %d retries, %d ETag failures",
+		reads, ok, wrong, changed, failed, testConfig().Attempts, st.S3Gets.Load(), st.S3Retries.Load(), st.S3ETagFailures.Load())
+	if wrong != 0 || rw != 0 {
+		t.Fatalf("%d reads with wrong bytes, %d answered from the rewritten shard", wrong, rw)
+	}
+	if changed == 0 || ok < reads/3 || st.S3Retries.Load() == 0 {
+		t.Errorf("the soak did not exercise the faults: %d changed, %d right, %d retries", changed, ok, st.S3Retries.Load())
+	}
+}

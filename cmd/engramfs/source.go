@@ -1,0 +1,94 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/backing/ioengine"
+	"github.com/engramfs/engramfs/backing/s3source"
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// s3Flags are the settings of an s3://bucket/prefix MODEL_DIR. Credentials
+// come from the standard AWS environment (AWS_ACCESS_KEY_ID,
+// AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE, ...), never from
+// flags, and are never logged.
+type s3Flags struct {
+	s3Endpoint  string
+	s3Region    string
+	s3PathStyle optionalBool
+}
+
+func (f *s3Flags) register(fl interface {
+	StringVar(*string, string, string, string)
+	Var(flag.Value, string, string)
+}) {
+	fl.StringVar(&f.s3Endpoint, "s3-endpoint", "",
+		"s3:// MODEL_DIR: the object store's URL, e.g. http://10.0.0.5:7070 for Ceph RGW, MinIO, SeaweedFS, versitygw (default: AWS S3, or $AWS_ENDPOINT_URL)")
+	fl.StringVar(&f.s3Region, "s3-region", "", "s3:// MODEL_DIR: the bucket's region (default: $AWS_REGION, else us-east-1)")
+	fl.Var(&f.s3PathStyle, "s3-path-style",
+		"s3:// MODEL_DIR: address buckets as ENDPOINT/bucket/key instead of bucket.ENDPOINT/key (default: true when --s3-endpoint is given)")
+}
+
+// optionalBool is a boolean flag that knows whether it was given.
+type optionalBool struct {
+	set, value bool
+}
+
+func (b *optionalBool) String() string {
+	if b == nil || !b.set {
+		return ""
+	}
+	return strconv.FormatBool(b.value)
+}
+
+func (b *optionalBool) Set(s string) error {
+	v, err := strconv.ParseBool(s)
+	if err != nil {
+		return err
+	}
+	b.set, b.value = true, v
+	return nil
+}
+
+func (b *optionalBool) IsBoolFlag() bool { return true }
+
+// openSource opens MODEL_DIR: an object store prefix (s3://bucket/prefix),
+// or a local or NFS directory whose shards engine reads.
+func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Counters) (backing.Source, error) {
+	if !s3source.IsURL(arg) {
+		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set {
+			return nil, usagef("--s3-* flags apply only to an s3://bucket/prefix MODEL_DIR, not %s", arg)
+		}
+		mode, err := backing.ParseIOMode(mf.backingIO)
+		if err != nil {
+			return nil, usageError{err}
+		}
+		fi, err := os.Stat(arg)
+		if err != nil {
+			return nil, fmt.Errorf("model directory: %w", err)
+		}
+		if !fi.IsDir() {
+			return nil, fmt.Errorf("model directory %s: not a directory", arg)
+		}
+		return backing.NewLocalSource(arg, mode, engine, st), nil
+	}
+	if _, _, err := s3source.ParseURL(arg); err != nil {
+		return nil, usageError{err}
+	}
+	cfg := s3source.DefaultConfig()
+	cfg.Concurrency = mf.queueDepth
+	cfg.Client = s3source.ClientConfig{Endpoint: mf.s3Endpoint, Region: mf.s3Region, PathStyle: mf.s3Endpoint != ""}
+	if mf.s3PathStyle.set {
+		cfg.Client.PathStyle = mf.s3PathStyle.value
+	}
+	st.ReadEngine = "s3"
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	return s3source.New(ctx, arg, cfg, st)
+}
