@@ -11,7 +11,7 @@ import (
 // object store prefix. It is the seam between engramfs and storage: model
 // loading lists and reads small files through it, and the Store reads table
 // data through the ShardFiles it opens. Every implementation must pass
-// SourceSuite (sourcetest.go).
+// sourcetest.Run (backing/sourcetest).
 type Source interface {
 	// String names the source in logs, errors and manifest.json: a
 	// directory, or s3://bucket/prefix. It never holds credentials.
