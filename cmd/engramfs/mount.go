@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"syscall"
 	"time"
@@ -279,6 +280,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		return nil, err
 	}
 	pusher.bind(srv)
+	spareProcs(log)
 	d := &daemon{srv: srv, store: store, engine: engine, pf: pf, hot: hot, st: st, model: model, metrics: reg, log: log,
 		prefillQueue: mf.prefillQueue, stateFile: mf.stateFile}
 	// Ready means a reader can use the tree: check it answers, through the
@@ -472,4 +474,22 @@ func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, 
 		files[i] = cache.TableFile{Path: filepath.Join(abs, t.Path()), Size: t.FileSize}
 	}
 	return cache.NewHotCache(capacity, cache.NewPinner(files, log), st, log), nil
+}
+
+// spareProcs gives the Go scheduler two Ps more than the CPUs, once the
+// mount is up (unless GOMAXPROCS is set). go-fuse sizes its pool of
+// /dev/fuse readers by GOMAXPROCS when it mounts (2 to 16 readers), and each
+// reader waits in read(2) holding its P; with no P idle, sysmon retakes them
+// on a 20 µs cadence and the runtime wakes threads to run the hand-offs.
+// Measured on 2 vCPUs, cold 4 KiB faults from one reader thread: 4.1
+// context switches and 135 µs of daemon CPU per fault at GOMAXPROCS 2; 2.9
+// and 112 µs with 4 Ps after a mount at 2. A few spare Ps, not one per read
+// in flight: reads no longer block a goroutine each.
+func spareProcs(log *zap.Logger) {
+	if os.Getenv("GOMAXPROCS") != "" {
+		return
+	}
+	n := runtime.NumCPU() + 2
+	runtime.GOMAXPROCS(n)
+	log.Debug("GOMAXPROCS set past the CPU count, after the mount sized its readers", zap.Int("gomaxprocs", n))
 }
