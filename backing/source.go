@@ -45,6 +45,9 @@ type ShardFile interface {
 type ShardRead struct {
 	Off int64
 	Len int
+	// Demand: a reader is blocked on it (a fault). Sources with lanes (an
+	// object store) serve and hedge these first.
+	Demand bool
 	// Done receives exactly Len bytes, or an error: never a short result
 	// without one. data belongs to the receiver from then on. Done must not
 	// block: it runs on the engine's completion goroutine.

@@ -11,9 +11,10 @@ import (
 // TableRead is one read of a table's data: Len bytes at Off (relative to
 // row 0).
 type TableRead struct {
-	Table *Table
-	Off   int64
-	Len   int
+	Table  *Table
+	Off    int64
+	Len    int
+	Demand bool // a reader is blocked on it; see ShardRead.Demand
 	// Done receives exactly Len bytes or an error, once, from any goroutine;
 	// it must not block.
 	Done func(data []byte, err error)
@@ -125,7 +126,7 @@ func (s *Store) shardRead(r *TableRead) *ShardRead {
 	if tm != nil { // metrics off: no clock reads on the data path
 		start = time.Now()
 	}
-	return &ShardRead{Off: abs, Len: r.Len, Done: func(data []byte, err error) {
+	return &ShardRead{Off: abs, Len: r.Len, Demand: r.Demand, Done: func(data []byte, err error) {
 		if tm != nil {
 			tm.BackingRead(t.ID, time.Since(start))
 		}

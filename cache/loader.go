@@ -153,6 +153,7 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 	}
 	var failed []failure
 	now := l.now()
+	demand := origin == OriginFault
 	for _, r := range runs {
 		t := l.Table(r.Table)
 		if t == nil || r.N == 0 || r.First < t.DataPage() || r.First+r.N > t.Pages() || r.First+r.N < r.First {
@@ -169,7 +170,7 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 				if origin == OriginFault && fl.origin == OriginPrefetch {
 					l.st.PrefetchLate.Add(1)
 				}
-				reads = l.appendRead(reads, t, k.Page-mine, mine)
+				reads = l.appendRead(reads, t, k.Page-mine, mine, demand)
 				mine = 0
 				continue
 			}
@@ -177,7 +178,7 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 				if now.Before(neg.until) {
 					l.st.BackingFailFast.Add(1)
 					failed = append(failed, failure{f, i, neg.err})
-					reads = l.appendRead(reads, t, k.Page-mine, mine)
+					reads = l.appendRead(reads, t, k.Page-mine, mine, demand)
 					mine = 0
 					continue
 				}
@@ -185,11 +186,11 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 			}
 			l.flights[k] = &flight{origin: origin, waiters: []*fetch{f}}
 			if mine++; mine == MaxRunPages {
-				reads = l.appendRead(reads, t, k.Page+1-mine, mine)
+				reads = l.appendRead(reads, t, k.Page+1-mine, mine, demand)
 				mine = 0
 			}
 		}
-		reads = l.appendRead(reads, t, r.First+r.N-mine, mine)
+		reads = l.appendRead(reads, t, r.First+r.N-mine, mine, demand)
 		l.mu.Unlock()
 	}
 	for _, fl := range failed {
@@ -205,15 +206,16 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 	l.src.Submit(reads...)
 }
 
-// appendRead adds the backing read of pages [first, first+n) of t, if n > 0.
-func (l *Loader) appendRead(reads []*backing.TableRead, t *backing.Table, first, n uint64) []*backing.TableRead {
+// appendRead adds the backing read of pages [first, first+n) of t, if n > 0;
+// demand: a reader is blocked on it.
+func (l *Loader) appendRead(reads []*backing.TableRead, t *backing.Table, first, n uint64, demand bool) []*backing.TableRead {
 	if n == 0 {
 		return reads
 	}
 	off := int64(first-t.DataPage()) * PageSize
 	length := min(int64(n)*PageSize, t.DataLen-off)
-	return append(reads, &backing.TableRead{Table: t, Off: off, Len: int(length), Done: func(data []byte, err error) {
-		l.readDone(t, first, n, length, data, err)
+	return append(reads, &backing.TableRead{Table: t, Off: off, Len: int(length), Demand: demand, Done: func(data []byte, err error) {
+		l.readDone(t, first, n, length, demand, data, err)
 	}})
 }
 
@@ -221,14 +223,14 @@ func (l *Loader) appendRead(reads []*backing.TableRead, t *backing.Table, first,
 // of a run of several pages is read again a page at a time, so that one bad
 // page fails only itself; each page's waiters hear as soon as its own read
 // answers.
-func (l *Loader) readDone(t *backing.Table, first, n uint64, length int64, data []byte, err error) {
+func (l *Loader) readDone(t *backing.Table, first, n uint64, length int64, demand bool, data []byte, err error) {
 	if err == nil && int64(len(data)) != length {
 		err = fmt.Errorf("table %s: backing returned %d of %d bytes at page %d", t.Name, len(data), length, first)
 	}
 	if err != nil && n > 1 && backing.PageError(err) {
 		var reads []*backing.TableRead
 		for i := range n {
-			reads = l.appendRead(reads, t, first+i, 1)
+			reads = l.appendRead(reads, t, first+i, 1, demand)
 		}
 		l.src.Submit(reads...)
 		return
