@@ -281,14 +281,23 @@ func (h *HotCache) reconcile(seq uint64) uint64 {
 	slices.SortFunc(h.pending, comparePageKeys)
 	h.pending = slices.Compact(h.pending)
 	h.unpins, h.pins = h.unpins[:0], h.pins[:0]
-	for _, k := range h.pending {
-		in, locked := h.tier.Contains(k), h.pinner.Pinned(k)
-		switch {
-		case !in && locked:
-			h.unpins = append(h.unpins, k)
-		case in && !locked:
-			h.pins = append(h.pins, k)
+	// The tier is read under mu, so between two Access calls: within one,
+	// a page can be evicted and admitted again (Changes then names it in
+	// neither list), and a worker that saw it out at that moment dropped its
+	// pin for good (TestHotCacheScanResistance's flake: "in the tier, not
+	// pinned"). In chunks, so that Admit never waits long.
+	for c := 0; c < len(h.pending); c += admitChunk {
+		h.mu.Lock()
+		for _, k := range h.pending[c:min(c+admitChunk, len(h.pending))] {
+			in, locked := h.tier.Contains(k), h.pinner.Pinned(k)
+			switch {
+			case !in && locked:
+				h.unpins = append(h.unpins, k)
+			case in && !locked:
+				h.pins = append(h.pins, k)
+			}
 		}
+		h.mu.Unlock()
 	}
 	h.pending = h.pending[:0]
 

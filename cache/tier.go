@@ -3,6 +3,7 @@ package cache
 import (
 	"slices"
 	"sync"
+	"sync/atomic"
 )
 
 // Signal says why a page is being accessed; it decides how far the tier lets
@@ -72,13 +73,22 @@ func (c *Changes) Reset() {
 // (pinned or ghost; BenchmarkTierMemory), where the map-and-list SLRU took
 // ~300.
 //
-// The tier is split into shards (a mutex and three segments each, capacity/N
-// pages), keyed by a hash of the page, so concurrent FUSE readers and hint
-// writers rarely meet on one lock. Every method is safe for concurrent use.
+// The tier is split into shards (a mutex and three segments each), keyed by a
+// hash of the page, so concurrent FUSE readers and hint writers rarely meet
+// on one lock. The budget is the tier's, not each shard's: a page is
+// admitted only once it has a page of the budget, taken from the free budget
+// or by evicting from its own shard, so a working set that fits the budget is
+// held whole however the hash spreads it (with a budget per shard, 20,000
+// pages in 20,064 lost 171 to the fullest shards). A shard's nominal share
+// (capacity/N) sizes its protected segment, its ghost list and its slots; a
+// shard above its share gives up ghost slots. Every method is safe for
+// concurrent use.
 type Tier struct {
 	shards       []shard
 	shift        uint // shard index = mixed hash >> shift
 	admitPrefill prefillAdmission
+	capacity     int64        // pages
+	used         atomic.Int64 // pages in the tier; never above capacity
 }
 
 // Tuning, measured with BenchmarkTierTuning and BenchmarkTierHitRatio
@@ -169,7 +179,8 @@ const (
 // probation, protected or the ghost list. All fields GUARDED_BY(mu).
 type shard struct {
 	mu           sync.Mutex
-	capacity     int    // pages; probation+protected never exceed it after a key is processed
+	t            *Tier
+	capacity     int    // pages: the shard's nominal share of the budget
 	protectedMax int    // capacity minus probation's reserved share
 	ghostMax     int    // ghost list length
 	n            [3]int // pages on each list
@@ -194,6 +205,7 @@ func newTier(capacityBytes int64, o tierOptions) *Tier {
 	if pages <= 0 {
 		return t
 	}
+	t.capacity = pages
 	n := o.shards
 	if n <= 0 {
 		n = maxShards
@@ -215,6 +227,7 @@ func newTier(capacityBytes int64, o tierOptions) *Tier {
 		if int64(i) < pages%int64(n) {
 			c++ // shard capacities sum to exactly the budget
 		}
+		t.shards[i].t = t
 		t.shards[i].init(c, o)
 	}
 	return t
@@ -411,13 +424,30 @@ func (s *shard) access(key uint64, sig Signal, admit prefillAdmission, out *Chan
 }
 
 // admit inserts a page that is in neither segment (sl is its ghost slot, or
-// 0), then evicts to the budget. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+// 0). It first takes a page of the budget: a free one, or one evicted from
+// this shard; if this shard holds none, the page is not admitted.
+// EXCLUSIVE_LOCKS_REQUIRED(s.mu)
 func (s *shard) admit(key uint64, sl uint32, protect bool, out *Changes) {
 	if sl != 0 {
-		s.unlink(sl) // off the ghost list; the slot and its index entry stay
-	} else {
-		sl = s.free
-		s.free = s.next[sl]
+		s.unlink(sl) // off the ghost list (so the evictions below keep it)
+	}
+	for {
+		u := s.t.used.Load()
+		if u < s.t.capacity {
+			if s.t.used.CompareAndSwap(u, u+1) {
+				break
+			}
+			continue
+		}
+		if !s.evictOne(out) {
+			if sl != 0 {
+				s.release(sl)
+			}
+			return
+		}
+	}
+	if sl == 0 {
+		sl = s.alloc(out)
 		s.key[sl] = key
 		s.indexAdd(sl)
 	}
@@ -428,7 +458,31 @@ func (s *shard) admit(key uint64, sl uint32, protect bool, out *Changes) {
 	} else {
 		s.pushFront(segProbation, sl)
 	}
-	s.evict(out)
+}
+
+// alloc returns a free slot: from the free list, else the ghost list's
+// oldest, else (a shard far above its share) a page evicted from the shard,
+// forgotten at once. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+func (s *shard) alloc(out *Changes) uint32 {
+	if s.free == 0 {
+		g := s.oldest(segGhost)
+		if g == 0 {
+			s.evictOne(out)
+			g = s.oldest(segGhost)
+		}
+		if g == 0 {
+			// Only with no ghost list at all: evictOne released its slot.
+			if s.free == 0 {
+				panic("cache: tier shard has no slot to give") // slots > 2 + pages of the shard
+			}
+		} else {
+			s.unlink(g)
+			s.release(g)
+		}
+	}
+	sl := s.free
+	s.free = s.next[sl]
+	return sl
 }
 
 // demote moves protected's overflow to probation's MRU end (SLRU): a page
@@ -442,34 +496,37 @@ func (s *shard) demote() {
 	}
 }
 
-// evict brings the shard back to its budget, from probation's LRU end, onto
-// the ghost list. Protected is never above protectedMax < capacity, so
-// probation is never empty here; the fallback only guards the arithmetic.
+// evictOne evicts the LRU page of probation (of protected if probation is
+// empty) onto the ghost list; false if the shard holds no page. Protected is
+// never above protectedMax < capacity, so probation is rarely empty.
 // EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) evict(out *Changes) {
-	for s.n[segProbation]+s.n[segProtected] > s.capacity {
-		sl := s.oldest(segProbation)
-		if sl == 0 {
-			if sl = s.oldest(segProtected); sl == 0 {
-				return
-			}
-		}
-		s.unlink(sl)
-		out.events = append(out.events, tierEvent{key: unpackKey(s.key[sl])})
-		if s.ghostMax == 0 {
-			s.release(sl)
-			continue
-		}
-		s.pushFront(segGhost, sl)
-		if s.n[segGhost] > s.ghostMax {
-			g := s.oldest(segGhost)
-			s.unlink(g)
-			s.release(g)
+func (s *shard) evictOne(out *Changes) bool {
+	sl := s.oldest(segProbation)
+	if sl == 0 {
+		if sl = s.oldest(segProtected); sl == 0 {
+			return false
 		}
 	}
+	s.unlink(sl)
+	s.t.used.Add(-1)
+	out.events = append(out.events, tierEvent{key: unpackKey(s.key[sl])})
+	if s.ghostMax == 0 {
+		s.release(sl)
+		return true
+	}
+	s.pushFront(segGhost, sl)
+	if s.n[segGhost] > s.ghostMax {
+		g := s.oldest(segGhost)
+		s.unlink(g)
+		s.release(g)
+	}
+	return true
 }
 
 // Contains reports whether page k is in the tier (pinned, or about to be).
+// During an Access call that evicts k and admits it again, it may report
+// false for a moment; an executor that acts on it must not run concurrently
+// with Access (HotCache reads it under the mutex that its Access calls hold).
 // LOCKS_EXCLUDED(shard mu)
 func (t *Tier) Contains(k PageKey) bool {
 	key, ok := packKey(k)
@@ -499,25 +556,10 @@ func (t *Tier) segmentOf(k PageKey) string {
 }
 
 // Len is the number of pages in the tier.
-func (t *Tier) Len() int {
-	n := 0
-	for i := range t.shards {
-		s := &t.shards[i]
-		s.mu.Lock()
-		n += s.n[segProbation] + s.n[segProtected]
-		s.mu.Unlock()
-	}
-	return n
-}
+func (t *Tier) Len() int { return int(t.used.Load()) }
 
-// Capacity is the budget in pages (the sum of the shard budgets).
-func (t *Tier) Capacity() int {
-	n := 0
-	for i := range t.shards {
-		n += t.shards[i].capacity
-	}
-	return n
-}
+// Capacity is the budget in pages.
+func (t *Tier) Capacity() int { return int(t.capacity) }
 
 // Keys lists the pages in the tier, shard by shard, each shard hottest first
 // (protected, then probation, MRU to LRU): the order to re-admit them in
@@ -555,6 +597,7 @@ func (t *Tier) Remove(k PageKey) {
 	if sl := s.lookup(key); sl != 0 && s.seg[sl] != segGhost {
 		s.unlink(sl)
 		s.release(sl)
+		t.used.Add(-1)
 	}
 }
 
