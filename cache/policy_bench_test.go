@@ -134,7 +134,7 @@ func BenchmarkPolicy(b *testing.B) {
 	for i, tr := range traces {
 		fmt.Fprintf(&sb, "\n%-28s", tr.name)
 		for j := range ps {
-			fmt.Fprintf(&sb, " %16.3f", ratios[i][j])
+			fmt.Fprintf(&sb, " %16.4f", ratios[i][j])
 		}
 	}
 	fmt.Println(sb.String())

@@ -60,12 +60,17 @@ func (c *Changes) Reset() {
 //     demoted to the MRU end of probation, and evictions always come from
 //     probation's LRU end. A one-pass scan therefore only churns probation.
 //
-// The policy was chosen by BenchmarkPolicy (policy_bench_test.go) against
-// plain LRU, S3-FIFO (Yang et al., SOSP 2023) and SIEVE (Zhang et al., NSDI
-// 2024): it is best or within 0.5 points of the best on every trace with
-// uniform prefill chunks (S3-FIFO -1.6 to -2.0 points, SIEVE -1 point even
-// with prefill kept out), S3-FIFO is 1.4-1.7 points better with chunks drawn
-// by popularity; see the comment there.
+// The policy was chosen by BenchmarkPolicy (policy_bench_test.go: ten traces,
+// Zipf 0.8-1.0 decode, 10K-40K-row prefill chunks drawn uniformly or by
+// popularity) against plain LRU, S3-FIFO (Yang et al., SOSP 2023, with
+// prefill admitted into small, only from its ghost, or never) and SIEVE
+// (Zhang et al., NSDI 2024, with and without prefill). With uniform chunks
+// it is the best by 0.4-1.0 points (SIEVE without prefill) and 1.2-1.7
+// (S3-FIFO without prefill); with popular chunks S3-FIFO is 1.2-1.7 points
+// better, but that variant loses 7-12 points with uniform chunks. When 20% of
+// decode rows repeat the last chunk, plain LRU (0.537) beats every candidate
+// (S3-FIFO 0.481, an ARC-style adaptive chunk segment 0.478, this 0.473): it
+// keeps the whole chunk, which costs the others their scan resistance.
 //
 // Memory: the segments are intrusive doubly linked lists over slot indexes
 // and the index is an open-addressing table of slot indexes: no pointers, so
