@@ -39,12 +39,13 @@ var statMetrics = map[string]statMetric{
 	"backing_bytes":  {"backing_bytes_total", counter, "Bytes read from shard files, O_DIRECT alignment included."},
 	"backing_errors": {"backing_errors_total", counter, "Shard reads that failed (I/O error, short read, shard changed since mount)."},
 
-	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the pinned hot tier after clamping to RLIMIT_MEMLOCK."},
+	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the hot tier (--cache-size)."},
 	"cache_used_bytes":     {"cache_used_bytes", gauge, "Bytes of table pages locked in the page cache now."},
 	"cache_hits":           {"cache_hits_total", counter, "Hinted or faulted pages found in the hot tier."},
 	"cache_misses":         {"cache_misses_total", counter, "Hinted or faulted pages not in the hot tier."},
 	"cache_evictions":      {"cache_evictions_total", counter, "Pages unpinned to keep the hot tier within its budget."},
 	"cache_pinned":         {"cache_pinned", gauge, "1 when the hot tier can mlock pages, 0 when it runs unpinned."},
+	"cache_pin_dropped":    {"cache_pin_dropped_total", counter, "Pages admitted to the hot tier but not pinned because the pin queue was full."},
 
 	"hint_frames":   {"hint_frames_total", counter, "Hint frames accepted on the control file."},
 	"hint_rows":     {"hint_rows_total", counter, "Rows named by accepted hint frames."},
@@ -64,8 +65,9 @@ var statMetrics = map[string]statMetric{
 
 // notExported are stats fields with no metric of their own, and why.
 var notExported = map[string]string{
-	"pid":    "an identity, not a measurement (process_* metrics come from the process collector)",
-	"layers": "exported by layer as hint_pages_*_total{layer}",
+	"pid":        "an identity, not a measurement (process_* metrics come from the process collector)",
+	"layers":     "exported by layer as hint_pages_*_total{layer}",
+	"cache_mode": "the words for cache_pinned (pinned | unpinned), which is exported",
 }
 
 // Per-layer hint accuracy (the "layers" object of the stats), labelled by layer.
