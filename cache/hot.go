@@ -1,11 +1,9 @@
 package cache
 
 import (
-	"cmp"
 	"errors"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -18,28 +16,29 @@ import (
 //
 // Callers may be FUSE Read handlers, and mlock of a cold page faults through
 // our own Read handler (~36 µs), so Admit only runs the policy and queues
-// the work; every mlock/munlock happens on the worker, which holds no lock
-// that callers need while it makes a system call.
+// the pages whose state changed; every mlock/munlock happens on the worker,
+// which holds no lock that callers need while it makes a system call.
 //
-// Budget: the pages actually pinned never exceed the capacity, even between
-// two calls (while a run is being pinned, up to MaxTransientPages of its
-// fault-around neighbours are locked too, until the pinner trims them). The policy's decisions and the queue are kept in one order (mu),
-// the worker applies each batch unpins first, and it pins only pages still
-// in the tier; so what it has locked is always a subset of the tier as it was
-// when the batch was taken, which the tier keeps within budget.
+// The worker reconciles: for each queued page it compares the tier's
+// membership now with the pinner's record of what is locked (the one record
+// of "pinned"), unpins first, then pins. It decides a run of pins under mu,
+// with the queue empty (every eviction so far applied), so what is locked
+// never exceeds the tier as it was at that moment, which the tier keeps
+// within budget; while a run is being populated, up to MaxTransientPages of
+// its fault-around neighbours are locked too, until the pinner trims them.
 type HotCache struct {
 	tier      *Tier
 	pinner    *Pinner // nil: the tier runs unpinned
 	st        *stats.Counters
 	log       *zap.Logger
-	maxQueued int // pins waiting for the worker before Admit drops new ones
+	maxQueued int // queued pages beyond which Admit drops new pins (counted)
 
 	mu       sync.Mutex
 	cond     *sync.Cond // on mu: a batch was applied, or Close
 	changes  Changes    // GUARDED_BY(mu); scratch for Tier.Access
-	queue    []pinOp    // GUARDED_BY(mu); in policy order
-	spare    []pinOp    // GUARDED_BY(mu); the other buffer of queue
-	queued   int        // GUARDED_BY(mu); pins in queue
+	own      []PageKey  // GUARDED_BY(mu); scratch: faulted keys minus the pinner's own faults
+	queue    []PageKey  // GUARDED_BY(mu); pages whose tier membership changed
+	spare    []PageKey  // GUARDED_BY(mu); the other buffer of queue
 	enqueued uint64     // GUARDED_BY(mu); batches handed to the worker, for Flush
 	applied  uint64     // GUARDED_BY(mu); of which applied
 	closed   bool       // GUARDED_BY(mu)
@@ -48,26 +47,20 @@ type HotCache struct {
 	stop chan struct{}
 	done chan struct{}
 
-	pinnedMu sync.RWMutex
-	pinned   map[PageKey]struct{} // GUARDED_BY(pinnedMu); written by the worker only: pages locked now
-
-	dropped atomic.Uint64 // pins dropped because the queue was full
-
 	// Owned by the worker goroutine.
-	last         map[PageKey]bool
+	pending      []PageKey // taken from the queue, not reconciled yet
 	unpins, pins []PageKey
 	failLog      rateLimit
-}
 
-type pinOp struct {
-	k   PageKey
-	pin bool // else unpin
+	dropLog rateLimit // Admit's, any goroutine
 }
 
 const (
-	// defaultMaxQueued bounds the pins waiting for the worker: 16,384 pages
-	// (64 MiB) is about half a second of cold pins at ~36 µs each.
-	defaultMaxQueued = 16384
+	// minMaxQueued is the least the queue holds before Admit drops pins: a
+	// 40K-row prefill chunk's pages and their evictions. The bound is at
+	// least twice the capacity, so that admitting a working set that fits
+	// (one entry per admission and one per eviction) never drops a pin.
+	minMaxQueued = 1 << 17
 	// admitChunk bounds how long one Admit holds mu (a 40K-row prefill chunk
 	// would otherwise hold it for milliseconds in front of FUSE readers).
 	admitChunk = 256
@@ -75,9 +68,8 @@ const (
 
 // NewHotCache pins up to capacityBytes of pages through p (which it owns from
 // now on: Close closes it). A nil p, or one whose mlock is refused, runs the
-// policy unpinned. A capacity under one page disables the cache.
-//
-// Without CAP_IPC_LOCK the capacity is clamped to RLIMIT_MEMLOCK.
+// policy unpinned: nothing is reported pinned and cache_mode says
+// "unpinned". A capacity under one page disables the cache.
 func NewHotCache(capacityBytes int64, p *Pinner, st *stats.Counters, log *zap.Logger) *HotCache {
 	if st == nil {
 		st = &stats.Counters{}
@@ -85,40 +77,39 @@ func NewHotCache(capacityBytes int64, p *Pinner, st *stats.Counters, log *zap.Lo
 	if log == nil {
 		log = zap.NewNop()
 	}
-	if p != nil && p.Available() && capacityBytes >= PageSize {
-		if limit := p.memlockPages(); limit >= 0 && capacityBytes/PageSize > limit {
-			// Better a smaller pinned tier than mlock failing half way.
-			log.Warn("hot tier capacity clamped to RLIMIT_MEMLOCK (no CAP_IPC_LOCK); raise it (ulimit -l) for more",
-				zap.Int64("capacity_bytes", capacityBytes), zap.Int64("clamped_bytes", limit*PageSize))
-			capacityBytes = limit * PageSize
-		}
-	}
 	h := &HotCache{
-		tier:      NewTier(capacityBytes),
-		pinner:    p,
-		st:        st,
-		log:       log,
-		maxQueued: defaultMaxQueued,
-		kick:      make(chan struct{}, 1),
-		stop:      make(chan struct{}),
-		done:      make(chan struct{}),
-		pinned:    map[PageKey]struct{}{},
-		last:      map[PageKey]bool{},
-		failLog:   rateLimit{every: time.Second},
+		tier:    NewTier(capacityBytes),
+		pinner:  p,
+		st:      st,
+		log:     log,
+		kick:    make(chan struct{}, 1),
+		stop:    make(chan struct{}),
+		done:    make(chan struct{}),
+		failLog: rateLimit{every: time.Second},
+		dropLog: rateLimit{every: time.Second},
 	}
+	h.maxQueued = max(minMaxQueued, 2*h.tier.Capacity())
 	h.cond = sync.NewCond(&h.mu)
 	st.CacheCapacityBytes.Store(int64(h.tier.Capacity()) * PageSize)
 	st.CacheUsedBytes.Store(0)
-	st.CachePinned.Store(p != nil && p.Available() && h.tier.Capacity() > 0)
+	st.CachePinned.Store(h.pinning())
 	go h.work()
 	return h
 }
 
+// pinning reports whether pages get locked: a pinner that may lock, and a
+// tier to decide what.
+func (h *HotCache) pinning() bool {
+	return h.pinner != nil && h.pinner.Available() && h.tier.Capacity() > 0
+}
+
 // Admit runs the policy on keys and queues the resulting pin and unpin work.
-// It never waits for I/O: it takes short locks only. When the queue is full,
-// the pins that do not fit are dropped and their pages removed from the tier
-// again (for every signal: the tier never claims a page that will not be
-// pinned, so Pinned and hit counts stay honest). Unpins are never dropped.
+// It never waits for I/O: it takes short locks only. A demand fault that the
+// pinner itself caused (populating a cold page it is pinning) is no access
+// and is ignored. When the queue is full, the pins that do not fit are
+// dropped, counted in cache_pin_dropped, and their pages removed from the
+// tier again (the tier never claims a page that will not be pinned, so
+// Pinned and hit counts stay honest). Unpins are never dropped.
 // LOCKS_EXCLUDED(h.mu)
 func (h *HotCache) Admit(keys []PageKey, sig Signal) {
 	for len(keys) > 0 {
@@ -134,58 +125,67 @@ func (h *HotCache) admit(keys []PageKey, sig Signal) {
 		h.mu.Unlock()
 		return
 	}
+	if sig == SignalFault && h.pinner != nil && h.pinner.popOn.Load() {
+		h.own = h.own[:0]
+		for _, k := range keys {
+			if !h.pinner.Populating(k) {
+				h.own = append(h.own, k)
+			}
+		}
+		keys = h.own
+	}
 	c := &h.changes
 	c.Reset()
 	h.tier.Access(keys, sig, c)
-	pins, unpins := c.Pin, c.Unpin
-	if h.pinner == nil || !h.pinner.Available() {
-		pins = nil // nothing to lock: the tier runs unpinned
-	}
-	if h.pinner == nil {
-		unpins = nil // nothing was ever locked
-	}
-	room := max(0, h.maxQueued-h.queued)
-	dropped := 0
-	if len(pins) > room {
-		for _, k := range pins[room:] {
-			h.tier.Remove(k)
+	dropped, evictions := 0, 0
+	if h.pinning() {
+		pins := c.Pin
+		if room := max(0, h.maxQueued-len(h.queue)-len(c.Unpin)); len(pins) > room {
+			for _, k := range pins[room:] {
+				h.tier.Remove(k)
+			}
+			dropped = len(pins) - room
+			pins = pins[:room]
 		}
-		dropped = len(pins) - room
-		pins = pins[:room]
-	}
-	// Within one Changes, unpins come first (see Changes).
-	for _, k := range unpins {
-		h.queue = append(h.queue, pinOp{k: k})
-	}
-	for _, k := range pins {
-		h.queue = append(h.queue, pinOp{k: k, pin: true})
-	}
-	h.queued += len(pins)
-	if len(unpins)+len(pins) > 0 {
-		h.enqueued++
-		select {
-		case h.kick <- struct{}{}:
-		default:
+		h.queue = append(h.queue, c.Unpin...)
+		h.queue = append(h.queue, pins...)
+		if len(c.Unpin)+len(pins) > 0 {
+			h.enqueued++
+			select {
+			case h.kick <- struct{}{}:
+			default:
+			}
 		}
+	} else {
+		evictions = len(c.Unpin) // nothing locked: an eviction is the policy's alone
 	}
-	hits, misses, evictions := c.Hits, c.Misses, len(c.Unpin)
+	hits, misses := c.Hits, c.Misses
 	h.mu.Unlock()
 
 	h.st.CacheHits.Add(uint64(hits))
 	h.st.CacheMisses.Add(uint64(misses))
-	h.st.CacheEvictions.Add(uint64(evictions))
+	if evictions > 0 {
+		h.st.CacheEvictions.Add(uint64(evictions))
+	}
 	if dropped > 0 {
-		h.dropped.Add(uint64(dropped))
+		h.st.CachePinDropped.Add(uint64(dropped))
+		if suppressed, ok := h.dropLog.allowShared(time.Now()); ok {
+			h.log.Warn("hot tier pin queue full: pins dropped (cache_pin_dropped)", zap.Int("dropped", dropped), zap.Int("suppressed", suppressed))
+		}
 	}
 }
 
 // Pinned reports whether page k is locked in the page cache now (not merely
-// admitted and waiting for the worker). LOCKS_EXCLUDED(h.pinnedMu)
+// admitted and waiting for the worker, and never when pinning is off).
 func (h *HotCache) Pinned(k PageKey) bool {
-	h.pinnedMu.RLock()
-	_, ok := h.pinned[k]
-	h.pinnedMu.RUnlock()
-	return ok
+	return h.pinner != nil && h.pinner.Pinned(k)
+}
+
+// OwnFault reports whether a FUSE read of page k is the hot tier's own
+// populate of a page it is pinning (not a reader's demand): callers that
+// count demand faults (late prefetches, refaults) should skip it.
+func (h *HotCache) OwnFault(k PageKey) bool {
+	return h.pinner != nil && h.pinner.Populating(k)
 }
 
 // Flush waits until all work queued so far has been applied (or the cache
@@ -213,7 +213,7 @@ func (h *HotCache) Close() error {
 		return nil
 	}
 	h.closed = true
-	h.queue, h.queued = nil, 0
+	h.queue = nil
 	h.cond.Broadcast()
 	h.mu.Unlock()
 	close(h.stop)
@@ -222,9 +222,6 @@ func (h *HotCache) Close() error {
 	if h.pinner != nil {
 		err = h.pinner.Close()
 	}
-	h.pinnedMu.Lock()
-	clear(h.pinned)
-	h.pinnedMu.Unlock()
 	h.st.CacheUsedBytes.Store(0)
 	return err
 }
@@ -243,90 +240,128 @@ func (h *HotCache) work() {
 	}
 }
 
-// applyQueued takes the queue and applies it; false when it was empty or the
-// cache is closing. LOCKS_EXCLUDED(h.mu)
-func (h *HotCache) applyQueued() bool {
-	h.mu.Lock()
-	batch, seq := h.queue, h.enqueued
-	h.queue, h.queued, h.spare = h.spare[:0], 0, nil
-	h.mu.Unlock()
-	if len(batch) > 0 {
-		h.apply(batch)
-	}
-	h.mu.Lock()
-	h.applied, h.spare = seq, batch[:0]
-	h.cond.Broadcast()
-	h.mu.Unlock()
-	return len(batch) > 0 && !h.stopping()
+// take moves the queue to h.pending; it returns the batch number of the
+// last batch taken. EXCLUSIVE_LOCKS_REQUIRED(h.mu)
+func (h *HotCache) take() uint64 {
+	h.pending = append(h.pending, h.queue...)
+	h.queue, h.spare = h.spare[:0], h.queue[:0]
+	return h.enqueued
 }
 
-// apply executes one batch: for each page only its last operation counts (a
-// page admitted and evicted again while queued costs nothing), unpins
-// before pins, adjacent pages in one system call. It stops early, between
-// system calls, when the cache is closing.
-func (h *HotCache) apply(batch []pinOp) {
-	clear(h.last)
-	for _, op := range batch {
-		h.last[op.k] = op.pin
+// applyQueued takes the queue and reconciles it; false when there was
+// nothing to do or the cache is closing. LOCKS_EXCLUDED(h.mu)
+func (h *HotCache) applyQueued() bool {
+	h.mu.Lock()
+	seq := h.take()
+	h.mu.Unlock()
+	if len(h.pending) == 0 {
+		h.markApplied(seq)
+		return false
 	}
+	for len(h.pending) > 0 && !h.stopping() {
+		seq = h.reconcile(seq)
+	}
+	h.markApplied(seq)
+	return !h.stopping()
+}
+
+func (h *HotCache) markApplied(seq uint64) {
+	h.mu.Lock()
+	h.applied = max(h.applied, seq)
+	h.cond.Broadcast()
+	h.mu.Unlock()
+}
+
+// reconcile applies h.pending: unpins the pages locked but out of the tier,
+// then pins the pages in the tier but not locked, run by run. Before each run
+// it takes whatever was queued meanwhile (evictions to apply first): a run is
+// pinned only when, under mu, the queue is empty and every page of it is in
+// the tier. It returns the batch number of what it took.
+func (h *HotCache) reconcile(seq uint64) uint64 {
+	slices.SortFunc(h.pending, comparePageKeys)
+	h.pending = slices.Compact(h.pending)
 	h.unpins, h.pins = h.unpins[:0], h.pins[:0]
-	h.pinnedMu.RLock()
-	for k, pin := range h.last {
-		_, locked := h.pinned[k]
-		switch {
-		case !pin && locked:
-			h.unpins = append(h.unpins, k)
-		case pin && !locked:
-			h.pins = append(h.pins, k)
-		}
-	}
-	h.pinnedMu.RUnlock()
-
-	sortKeys(h.unpins)
-	forRuns(h.unpins, func(run []PageKey) bool {
-		if err := h.pinner.UnpinRun(run[0].Table, run[0].Page, uint64(len(run))); err != nil {
-			h.logFailure("unpin failed; the page may stay locked", err)
-		}
-		h.setPinned(run, false)
-		return true
-	})
-
-	// Pin only what the tier still holds: a page may have been removed (its
-	// pin failed earlier) or evicted since it was queued; an eviction is then
-	// in a later batch.
-	live := h.pins[:0]
-	for _, k := range h.pins {
-		if h.tier.Contains(k) {
-			live = append(live, k)
-		}
-	}
-	sortKeys(live)
-	forRuns(live, func(run []PageKey) bool {
-		if h.stopping() {
-			return false
-		}
-		err := h.pinner.PinRun(run[0].Table, run[0].Page, uint64(len(run)))
-		switch {
-		case err == nil:
-			h.setPinned(run, true)
-		case errors.Is(err, ErrPinUnavailable):
-			h.st.CachePinned.Store(false) // the pinner has logged it, once
-			return false
-		default:
-			// Find the page that failed; pin the others.
-			for _, k := range run {
-				if len(run) > 1 {
-					if err = h.pinner.Pin(k); err == nil {
-						h.setPinned([]PageKey{k}, true)
-						continue
-					}
-				}
-				h.tier.Remove(k)
-				h.logFailure("pin failed; page removed from the hot tier", err)
+	// The tier is read under mu, so between two Access calls: within one,
+	// a page can be evicted and admitted again (Changes then names it in
+	// neither list), and a worker that saw it out at that moment dropped its
+	// pin for good (TestHotCacheScanResistance's flake: "in the tier, not
+	// pinned"). In chunks, so that Admit never waits long.
+	for c := 0; c < len(h.pending); c += admitChunk {
+		h.mu.Lock()
+		for _, k := range h.pending[c:min(c+admitChunk, len(h.pending))] {
+			in, locked := h.tier.Contains(k), h.pinner.Pinned(k)
+			switch {
+			case !in && locked:
+				h.unpins = append(h.unpins, k)
+			case in && !locked:
+				h.pins = append(h.pins, k)
 			}
 		}
+		h.mu.Unlock()
+	}
+	h.pending = h.pending[:0]
+
+	forRuns(h.unpins, func(run []PageKey) bool {
+		if err := h.pinner.UnpinRun(run[0].Table, run[0].Page, uint64(len(run))); err != nil {
+			h.logFailure("unpin failed; the pages stay locked", err)
+		} else {
+			h.st.CacheEvictions.Add(uint64(len(run)))
+		}
 		return true
 	})
+	h.publishUsed()
+
+	for i := 0; i < len(h.pins); {
+		j := runEnd(h.pins, i)
+		if h.stopping() {
+			return seq
+		}
+		h.mu.Lock()
+		if len(h.queue) > 0 {
+			// Evictions may be waiting: apply them before locking more. The
+			// pins not reached yet are reconciled again with them.
+			seq = h.take()
+			h.mu.Unlock()
+			h.pending = append(h.pending, h.pins[i:]...)
+			return seq
+		}
+		live := h.pins[i:i]
+		for _, k := range h.pins[i:j] {
+			if h.tier.Contains(k) && !h.pinner.Pinned(k) {
+				live = append(live, k)
+			}
+		}
+		h.mu.Unlock()
+		forRuns(live, h.pinRun)
+		i = j
+	}
+	return seq
+}
+
+// pinRun pins one run of adjacent pages of the tier. Worker only.
+func (h *HotCache) pinRun(run []PageKey) bool {
+	err := h.pinner.PinRun(run[0].Table, run[0].Page, uint64(len(run)))
+	switch {
+	case err == nil:
+	case errors.Is(err, ErrPinUnavailable):
+		// The pinner has logged it, once, and released every page.
+		h.st.CachePinned.Store(false)
+		h.publishUsed()
+		return false
+	default:
+		// Find the page that failed; pin the others.
+		for _, k := range run {
+			if len(run) > 1 {
+				if err = h.pinner.Pin(k); err == nil {
+					continue
+				}
+			}
+			h.tier.Remove(k)
+			h.logFailure("pin failed; page removed from the hot tier", err)
+		}
+	}
+	h.publishUsed()
+	return true
 }
 
 func (h *HotCache) stopping() bool {
@@ -338,31 +373,15 @@ func (h *HotCache) stopping() bool {
 	}
 }
 
-// setPinned records pages as locked or not. LOCKS_EXCLUDED(h.pinnedMu)
-func (h *HotCache) setPinned(run []PageKey, locked bool) {
-	h.pinnedMu.Lock()
-	for _, k := range run {
-		if locked {
-			h.pinned[k] = struct{}{}
-		} else {
-			delete(h.pinned, k)
-		}
-	}
-	n := len(h.pinned)
-	h.pinnedMu.Unlock()
-	h.st.CacheUsedBytes.Store(int64(n) * PageSize)
+// publishUsed sets cache_used_bytes from the pinner's count of locked pages.
+func (h *HotCache) publishUsed() {
+	h.st.CacheUsedBytes.Store(h.pinner.PinnedPages() * PageSize)
 }
 
 func (h *HotCache) logFailure(msg string, err error) {
 	if suppressed, ok := h.failLog.allow(time.Now()); ok {
 		h.log.Error(msg, zap.Error(err), zap.Int("suppressed", suppressed))
 	}
-}
-
-func sortKeys(ks []PageKey) {
-	slices.SortFunc(ks, func(a, b PageKey) int {
-		return cmp.Or(cmp.Compare(a.Table, b.Table), cmp.Compare(a.Page, b.Page))
-	})
 }
 
 // maxPinRun caps the pages of one mlock: cold pages fault through FUSE one
@@ -373,10 +392,7 @@ const maxPinRun = 256
 // of one table in sorted ks, until f returns false.
 func forRuns(ks []PageKey, f func(run []PageKey) bool) {
 	for i := 0; i < len(ks); {
-		j := i + 1
-		for j < len(ks) && j-i < maxPinRun && ks[j].Table == ks[i].Table && ks[j].Page == ks[j-1].Page+1 {
-			j++
-		}
+		j := runEnd(ks, i)
 		if !f(ks[i:j]) {
 			return
 		}
@@ -384,11 +400,28 @@ func forRuns(ks []PageKey, f func(run []PageKey) bool) {
 	}
 }
 
+// runEnd is the end of the run of sorted ks that starts at i.
+func runEnd(ks []PageKey, i int) int {
+	j := i + 1
+	for j < len(ks) && j-i < maxPinRun && ks[j].Table == ks[i].Table && ks[j].Page == ks[j-1].Page+1 {
+		j++
+	}
+	return j
+}
+
 // rateLimit lets one log line through per interval and counts the rest.
+// allow is for one goroutine; allowShared may be called from any.
 type rateLimit struct {
+	mu         sync.Mutex
 	every      time.Duration
 	last       time.Time
 	suppressed int
+}
+
+func (r *rateLimit) allowShared(now time.Time) (suppressed int, ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.allow(now)
 }
 
 func (r *rateLimit) allow(now time.Time) (suppressed int, ok bool) {

@@ -3,6 +3,7 @@ package cache
 import (
 	"bufio"
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -16,7 +17,8 @@ import (
 )
 
 // ErrPinUnavailable is returned by Pin once mlock has been refused (no
-// CAP_IPC_LOCK and RLIMIT_MEMLOCK too low): the hot tier then runs unpinned.
+// CAP_IPC_LOCK and RLIMIT_MEMLOCK below the table files' size, or EPERM): the
+// hot tier then runs unpinned.
 var ErrPinUnavailable = errors.New("mlock unavailable: hot tier runs unpinned")
 
 var errPinnerClosed = errors.New("pinner closed")
@@ -43,9 +45,14 @@ type TableFile struct {
 //     all merge back on munlock, so a 1 GiB tier under churn passed 575,000
 //     VMAs, mlock failed with ENOMEM and then the Go runtime's own mmap did
 //     (the daemon aborted). Locking whole mappings keeps one VMA per table.
-//   - Populating a page also maps its cached neighbours in the same 64 KiB
-//     window (fault-around, even under MADV_RANDOM), and they would be locked
-//     too: the pinner unmaps every page of the window it has not pinned.
+//   - Populating a page also maps cached neighbours (fault-around, even
+//     under MADV_RANDOM, aligned by virtual address; and whole large
+//     folios), and they would be locked too: the pinner unmaps every page
+//     of the page tables around the run that it has not pinned, on success
+//     and on error (trimFaultAround).
+//   - Without CAP_IPC_LOCK, mlock2(MLOCK_ONFAULT) charges the whole mapping
+//     to RLIMIT_MEMLOCK and fails with ENOMEM above it; the pinner then runs
+//     unpinned (one warning) and reports nothing pinned.
 //   - Populating a page that is not in the page cache faults it through our
 //     own FUSE Read handler when the file is on the mount (~36 µs). Call Pin
 //     only from a goroutine that no Read handler waits for.
@@ -56,19 +63,29 @@ type TableFile struct {
 //
 // All methods are safe for concurrent use.
 type Pinner struct {
-	files   []TableFile
-	log     *zap.Logger
-	capLock bool               // CAP_IPC_LOCK: RLIMIT_MEMLOCK does not apply
-	mlock   func([]byte) error // populates (so locks) a run; tests inject failures
+	files       []TableFile
+	log         *zap.Logger
+	capLock     bool                            // CAP_IPC_LOCK: RLIMIT_MEMLOCK does not apply
+	mlock       func([]byte) error              // populates (so locks) a run; tests inject failures
+	mmap        func(TableFile) ([]byte, error) // maps a table file; tests place the mapping
+	lockMapping func([]byte) error              // mlock2(MLOCK_ONFAULT) of a whole mapping; tests inject refusals
 
-	mu       sync.Mutex
+	mu       sync.RWMutex
 	maps     [][]byte       // GUARDED_BY(mu); per table, nil until first used
-	pinned   [][]uint64     // GUARDED_BY(mu); per table, a bit per page pinned
+	pinned   [][]uint64     // GUARDED_BY(mu); per table, a bit per page locked: the one record of "pinned"
 	closed   bool           // GUARDED_BY(mu)
 	inflight sync.WaitGroup // calls using a mapping; Close waits for them before munmap
 
+	pagemapOnce sync.Once
+	pagemap     *os.File // /proc/self/pagemap; nil if it cannot be read
+
+	count       atomic.Int64 // pages with their bit set in pinned
 	unavailable atomic.Bool
 	warnOnce    sync.Once
+
+	popMu  sync.Mutex
+	popRun [3]uint64   // GUARDED_BY(popMu); table, first, end of the run being populated
+	popOn  atomic.Bool // a run is being populated
 }
 
 // NewPinner pins pages of files; PageKey.Table indexes files. It maps
@@ -78,13 +95,28 @@ func NewPinner(files []TableFile, log *zap.Logger) *Pinner {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: populate,
-		maps: make([][]byte, len(files)), pinned: make([][]uint64, len(files))}
+	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: populate, mmap: mapFile, lockMapping: mlockOnFault, maps: make([][]byte, len(files)), pinned: make([][]uint64, len(files))}
 	if b, err := unix.Mmap(-1, 0, PageSize, unix.PROT_READ, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err == nil {
-		if err := unix.Mlock(b); err != nil && p.refused(err, 0) {
+		if err := unix.Mlock(b); err != nil {
 			p.disable(err)
 		}
 		_ = unix.Munmap(b) // also unlocks
+	}
+	// mlock2(MLOCK_ONFAULT) charges every table's whole mapping to
+	// RLIMIT_MEMLOCK at once (measured on 6.18: ENOMEM without CAP_IPC_LOCK
+	// as soon as the mapping is larger than the limit, however little is
+	// resident). Say so now, once, rather than on the first pin.
+	if !p.capLock && p.Available() {
+		var lim unix.Rlimit
+		if unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim) == nil && lim.Cur != unix.RLIM_INFINITY {
+			need := uint64(0)
+			for _, f := range files {
+				need += (uint64(max(f.Size, 0)) + PageSize - 1) &^ (PageSize - 1)
+			}
+			if locked, _ := lockedBytes(); need+locked > lim.Cur {
+				p.disable(fmt.Errorf("the table files (%d bytes) exceed RLIMIT_MEMLOCK (%d bytes) without CAP_IPC_LOCK", need, lim.Cur))
+			}
+		}
 	}
 	return p
 }
@@ -98,10 +130,37 @@ func (p *Pinner) Pin(k PageKey) error { return p.PinRun(k.Table, k.Page, 1) }
 // Unpin releases page k.
 func (p *Pinner) Unpin(k PageKey) error { return p.UnpinRun(k.Table, k.Page, 1) }
 
+// Pinned reports whether page k is locked now: its populate into a locked
+// mapping succeeded and it has not been unpinned since. LOCKS_EXCLUDED(p.mu)
+func (p *Pinner) Pinned(k PageKey) bool {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if int(k.Table) >= len(p.pinned) {
+		return false
+	}
+	bits := p.pinned[k.Table]
+	return k.Page/64 < uint64(len(bits)) && bits[k.Page/64]&(1<<(k.Page%64)) != 0
+}
+
+// PinnedPages is how many pages are locked now.
+func (p *Pinner) PinnedPages() int64 { return p.count.Load() }
+
+// Populating reports whether page k belongs to the run the pinner is
+// populating right now: a FUSE read of it is the pinner's own fault, not a
+// reader's demand. LOCKS_EXCLUDED(p.popMu)
+func (p *Pinner) Populating(k PageKey) bool {
+	if !p.popOn.Load() {
+		return false
+	}
+	p.popMu.Lock()
+	defer p.popMu.Unlock()
+	return p.popOn.Load() && uint64(k.Table) == p.popRun[0] && k.Page >= p.popRun[1] && k.Page < p.popRun[2]
+}
+
 // PinRun locks n adjacent pages of table from page first on. The last page
-// of a file is clipped to its size. On error no page of the run is left
-// locked by this call. Once locking has been refused it returns
-// ErrPinUnavailable without a system call.
+// of a file is clipped to its size. On error no page of the run that was not
+// pinned before is left locked, nor any neighbour. Once locking has been
+// refused it returns ErrPinUnavailable without a system call.
 func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 	if p.unavailable.Load() {
 		return ErrPinUnavailable
@@ -114,38 +173,71 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 	if p.unavailable.Load() { // the mapping could not be locked
 		return ErrPinUnavailable
 	}
-	if err := p.mlock(r); err != nil {
-		_ = unix.Madvise(r, unix.MADV_DONTNEED_LOCKED) // whatever did get mapped
-		if p.refused(err, len(r)) {
+	p.popMu.Lock()
+	p.popRun = [3]uint64{uint64(table), first, first + n}
+	p.popOn.Store(true)
+	p.popMu.Unlock()
+	for try := 0; ; try++ {
+		// EINTR: a signal reached the populate; the pages done so far stay
+		// mapped and are skipped on the retry.
+		if err = p.mlock(r); err == nil || try == 3 || !errors.Is(err, unix.EINTR) && !errors.Is(err, unix.EAGAIN) {
+			break
+		}
+	}
+	p.popOn.Store(false)
+	if err != nil {
+		// Whatever did get mapped (the run's pages up to the failure and
+		// their fault-around neighbours) is locked: unmap all that is not
+		// pinned.
+		p.trimFaultAround(table, first, n)
+		if errors.Is(err, unix.EPERM) {
 			p.disable(err)
 			return ErrPinUnavailable
 		}
-		return wrapRun("pin", table, first, n, fmt.Errorf("mlock: %w", err))
+		return wrapRun("pin", table, first, n, fmt.Errorf("populate: %w", err))
 	}
 	p.setPinned(table, first, n, true)
 	p.trimFaultAround(table, first, n)
 	return nil
 }
 
-// faultAroundPages is the kernel's default fault-around window (64 KiB).
-const faultAroundPages = 16
+// tablePages is the reach of one page table (PTRS_PER_PTE pages, 2 MiB):
+// everything a fault maps besides the faulting page stays within it.
+const tablePages = 512
 
 // MaxTransientPages bounds the pages locked beyond the pinned set: while a run
-// is being pinned, the cached neighbours that fault-around mapped at its two
-// ends are locked until trimFaultAround unmaps them.
-const MaxTransientPages = 2 * (faultAroundPages - 1)
+// is being pinned, the cached neighbours that the populate mapped around its
+// two ends (within their page tables) are locked until trimFaultAround
+// unmaps them.
+const MaxTransientPages = 2 * (tablePages - 1)
 
 // trimFaultAround unmaps (so unlocks) the pages that populating
 // [first, first+n) mapped around it and that are not pinned.
+//
+// A fault maps more than the faulting page (measured on 6.18, ext4 and the
+// mount): fault-around maps the cached pages of a fault_around_bytes window
+// (64 KiB) aligned by virtual address (pte_index), not by file offset, and
+// a large folio is mapped whole when it fits the VMA and the page table. A
+// trim of the file-aligned 64 KiB window left 6, 10 and 2 neighbours locked
+// with mapping bases 6, 10 and 2 pages past a 64 KiB boundary, and up to 241
+// with a warm ext4 file. Both stay within the page table of the faulting
+// address, so the pinner reads which pages of those page tables are mapped
+// (/proc/self/pagemap) and unmaps the ones it has not pinned.
 func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
-	lo := first &^ (faultAroundPages - 1)
-	hi := (first + n + faultAroundPages - 1) &^ (faultAroundPages - 1)
-	p.mu.Lock()
-	b, bits := p.maps[table], p.pinned[table]
+	p.mu.RLock()
+	b := p.maps[table]
+	if b == nil {
+		p.mu.RUnlock()
+		return
+	}
+	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
+	pages := (uint64(len(b)) + PageSize - 1) / PageSize
+	lo, hi := faultWindow(base, first, n, tablePages*PageSize, pages)
+	mapped := p.mappedPages(base, lo, hi)
+	bits := p.pinned[table]
 	var runs [][2]uint64
-	pages := uint64(len(b)+PageSize-1) / PageSize
-	for q := lo; q < min(hi, pages); q++ {
-		if bits[q/64]&(1<<(q%64)) != 0 {
+	for q := lo; q < hi; q++ {
+		if bits[q/64]&(1<<(q%64)) != 0 || mapped != nil && !mapped[q-lo] {
 			continue
 		}
 		if k := len(runs); k > 0 && runs[k-1][1] == q {
@@ -154,11 +246,55 @@ func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
 			runs = append(runs, [2]uint64{q, q + 1})
 		}
 	}
-	p.mu.Unlock()
+	p.mu.RUnlock()
 	for _, r := range runs {
 		end := min(r[1]*PageSize, uint64(len(b)))
-		_ = unix.Madvise(b[r[0]*PageSize:end], unix.MADV_DONTNEED_LOCKED)
+		if err := unix.Madvise(b[r[0]*PageSize:end], unix.MADV_DONTNEED_LOCKED); err != nil {
+			p.log.Warn("unmapping fault-around neighbours failed; they stay locked until close",
+				zap.Uint32("table", table), zap.Uint64("first", r[0]), zap.Uint64("pages", r[1]-r[0]), zap.Error(err))
+		}
 	}
+}
+
+// mappedPages reports, for file pages [lo, hi) of the mapping at base,
+// whether each is mapped (present in /proc/self/pagemap); nil if pagemap
+// cannot be read (then every page is treated as mapped).
+func (p *Pinner) mappedPages(base, lo, hi uint64) []bool {
+	if hi <= lo {
+		return nil
+	}
+	p.pagemapOnce.Do(func() {
+		p.pagemap, _ = os.Open("/proc/self/pagemap")
+	})
+	if p.pagemap == nil {
+		return nil
+	}
+	buf := make([]byte, 8*(hi-lo))
+	if _, err := p.pagemap.ReadAt(buf, int64((base/PageSize+lo)*8)); err != nil {
+		return nil
+	}
+	out := make([]bool, hi-lo)
+	for i := range out {
+		out[i] = binary.LittleEndian.Uint64(buf[8*i:])&(1<<63) != 0
+	}
+	return out
+}
+
+// faultWindow is the file pages [lo, hi) that faults on pages [first,
+// first+n) of a mapping at virtual address base of pages pages can map:
+// every window of span bytes, aligned by virtual address, that the run
+// touches.
+func faultWindow(base, first, n, span, pages uint64) (lo, hi uint64) {
+	va0 := base + first*PageSize
+	va1 := base + (first+n)*PageSize // end of the run
+	wlo := va0 &^ (span - 1)
+	whi := (va1 + span - 1) &^ (span - 1)
+	lo = 0
+	if wlo > base {
+		lo = (wlo - base) / PageSize
+	}
+	hi = min(pages, (whi-base+PageSize-1)/PageSize)
+	return lo, hi
 }
 
 func (p *Pinner) setPinned(table uint32, first, n uint64, on bool) {
@@ -166,10 +302,14 @@ func (p *Pinner) setPinned(table uint32, first, n uint64, on bool) {
 	defer p.mu.Unlock()
 	bits := p.pinned[table]
 	for q := first; q < first+n && q/64 < uint64(len(bits)); q++ {
-		if on {
-			bits[q/64] |= 1 << (q % 64)
-		} else {
-			bits[q/64] &^= 1 << (q % 64)
+		w, m := &bits[q/64], uint64(1)<<(q%64)
+		switch {
+		case on && *w&m == 0:
+			*w |= m
+			p.count.Add(1)
+		case !on && *w&m != 0:
+			*w &^= m
+			p.count.Add(-1)
 		}
 	}
 }
@@ -189,10 +329,11 @@ func (p *Pinner) UnpinRun(table uint32, first, n uint64) error {
 		return wrapRun("unpin", table, first, n, err)
 	}
 	defer p.inflight.Done()
-	p.setPinned(table, first, n, false)
 	if err := unix.Madvise(r, unix.MADV_DONTNEED_LOCKED); err != nil {
+		// The pages stay locked, so they stay recorded as pinned.
 		return wrapRun("unpin", table, first, n, fmt.Errorf("madvise(MADV_DONTNEED_LOCKED): %w", err))
 	}
+	p.setPinned(table, first, n, false)
 	return nil
 }
 
@@ -234,6 +375,10 @@ func (p *Pinner) Close() error {
 		}
 		p.maps[t], p.pinned[t] = nil, nil
 	}
+	p.count.Store(0)
+	if p.pagemap != nil {
+		_ = p.pagemap.Close()
+	}
 	return errors.Join(errs...)
 }
 
@@ -269,14 +414,20 @@ func (p *Pinner) run(table uint32, first, n uint64, create bool) ([]byte, error)
 	if b == nil {
 		// Map outside the lock: open and mmap go through our own FUSE
 		// handlers when the file is on the mount.
-		m, err := mapFile(f)
+		m, err := p.mmap(f)
 		if err != nil {
 			p.inflight.Done()
 			return nil, err
 		}
-		// Lock the whole mapping, on fault: one VMA, nothing read yet.
-		if err := mlockOnFault(m); err != nil && p.refused(err, 0) {
-			p.disable(err)
+		// Lock the whole mapping, on fault: one VMA, nothing read yet. If
+		// the kernel refuses (ENOMEM: RLIMIT_MEMLOCK without CAP_IPC_LOCK,
+		// charged for the whole mapping), pages mapped here would not be
+		// locked: run unpinned rather than claim them.
+		if err := p.lockMapping(m); err != nil {
+			_ = unix.Munmap(m)
+			p.inflight.Done()
+			p.disable(fmt.Errorf("mlock2(MLOCK_ONFAULT) of %s (%d bytes): %w", f.Path, len(m), err))
+			return nil, ErrPinUnavailable
 		}
 		p.mu.Lock()
 		if b = p.maps[table]; b == nil {
@@ -333,38 +484,27 @@ func wrapRun(op string, table uint32, first, n uint64, err error) error {
 	return fmt.Errorf("%s table %d pages %d-%d: %w", op, table, first, first+n-1, err)
 }
 
-// refused tells a refusal to lock (run unpinned from now on) from a failure
-// of these pages. mlock returns EPERM without CAP_IPC_LOCK and a zero
-// RLIMIT_MEMLOCK, and EAGAIN when memory is short; ENOMEM means either the
-// RLIMIT_MEMLOCK budget is spent, or a page could not be faulted in (EIO from
-// the mount, past EOF) or the VMA limit was hit. Only the first is a
-// refusal, and it cannot happen with CAP_IPC_LOCK.
-func (p *Pinner) refused(err error, n int) bool {
-	switch {
-	case errors.Is(err, unix.EPERM), errors.Is(err, unix.EAGAIN):
-		return true
-	case errors.Is(err, unix.ENOMEM):
-		if p.capLock {
-			return false
-		}
-		var lim unix.Rlimit
-		if unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim) != nil || lim.Cur == unix.RLIM_INFINITY {
-			return false
-		}
-		locked, ok := lockedBytes()
-		return !ok || locked+uint64(n) > lim.Cur
-	}
-	return false
-}
-
+// disable turns pinning off for good, with one warning, and releases every
+// page locked so far: from now on nothing is reported pinned.
 func (p *Pinner) disable(err error) {
 	p.unavailable.Store(true)
 	p.warnOnce.Do(func() {
 		var lim unix.Rlimit
 		_ = unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim)
-		p.log.Warn("mlock refused: the hot tier runs unpinned; grant CAP_IPC_LOCK or raise RLIMIT_MEMLOCK (ulimit -l)",
+		p.log.Warn("mlock refused: the hot tier runs unpinned; grant CAP_IPC_LOCK or raise RLIMIT_MEMLOCK (ulimit -l) above the table files' size",
 			zap.Error(err), zap.Bool("cap_ipc_lock", p.capLock), zap.Uint64("rlimit_memlock", lim.Cur))
 	})
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for t, b := range p.maps {
+		if b == nil {
+			continue
+		}
+		_ = unix.Madvise(b, unix.MADV_DONTNEED_LOCKED)
+		_ = unix.Munlock(b)
+		clear(p.pinned[t])
+	}
+	p.count.Store(0)
 }
 
 func hasCapIPCLock() bool {
@@ -395,15 +535,4 @@ func procKB(path, field string) (uint64, bool) {
 		}
 	}
 	return 0, false
-}
-
-// memlockPages is how many more pages RLIMIT_MEMLOCK lets this process
-// lock; -1 if it does not apply (CAP_IPC_LOCK, or no limit).
-func (p *Pinner) memlockPages() int64 {
-	var lim unix.Rlimit
-	if p.capLock || unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim) != nil || lim.Cur == unix.RLIM_INFINITY {
-		return -1
-	}
-	locked, _ := lockedBytes()
-	return int64(max(lim.Cur, locked)-locked) / PageSize
 }

@@ -175,7 +175,7 @@ func TestPinnerFailedPinLeavesNothingLocked(t *testing.T) {
 	p := newTestPinner(t, f)
 	base := vmLck(t)
 	err := p.PinRun(0, 1, 2)
-	if err == nil || !strings.Contains(err.Error(), "pin table 0 pages 1-2: mlock: ") {
+	if err == nil || !strings.Contains(err.Error(), "pin table 0 pages 1-2: populate: ") {
 		t.Fatalf("pin past the real EOF: %v", err)
 	}
 	wantLocked(t, base, 0, "a failed pin")

@@ -1,11 +1,9 @@
 package cache
 
 import (
-	"math/bits"
+	"slices"
 	"sync"
 	"sync/atomic"
-
-	"github.com/hashicorp/golang-lru/v2/simplelru"
 )
 
 // Signal says why a page is being accessed; it decides how far the tier lets
@@ -24,23 +22,30 @@ const (
 	SignalPrefill
 )
 
-// Changes is what one Tier.Access decided. An executor applies Unpin first,
-// then Pin: after that the pinned set equals the tier's membership.
-//
-// Within one Access call a page admitted and evicted again appears in neither
-// list, and a page evicted and admitted again usually appears in neither
-// either (it stays pinned). Only when the ghost entry that records the eviction
-// is itself pushed out within the same call can a page be in both lists; it is
-// then in the tier, and "unpin, then pin" leaves it pinned.
+// Changes is what one Tier.Access decided: the pages it admitted that were
+// not in the tier before the call (Pin) and the pages it evicted that were
+// (Unpin). A page admitted and evicted again within the call is in neither
+// list, and so is one evicted and re-admitted. An executor applies both
+// lists in any order if it reconciles each named page against Contains
+// (HotCache does).
 type Changes struct {
 	Pin, Unpin   []PageKey // pages newly admitted / evicted
 	Hits, Misses int       // accessed pages found / not found in the tier
+
+	events []tierEvent // scratch of Access: admissions and evictions, in order
+}
+
+// tierEvent is one admission or eviction within an Access call.
+type tierEvent struct {
+	key   PageKey
+	admit bool
 }
 
 // Reset empties c, keeping its storage.
 func (c *Changes) Reset() {
 	c.Pin, c.Unpin = c.Pin[:0], c.Unpin[:0]
 	c.Hits, c.Misses = 0, 0
+	c.events = c.events[:0]
 }
 
 // Tier is the hot-page policy: a byte-budgeted, scan-resistant segmented LRU
@@ -55,14 +60,40 @@ func (c *Changes) Reset() {
 //     demoted to the MRU end of probation, and evictions always come from
 //     probation's LRU end. A one-pass scan therefore only churns probation.
 //
-// The tier is split into shards (a mutex and three segments each, capacity/N
-// pages), keyed by a hash of the page, so concurrent FUSE readers and hint
-// writers rarely meet on one lock. Every method is safe for concurrent use.
+// The policy was chosen by BenchmarkPolicy (policy_bench_test.go: ten traces,
+// Zipf 0.8-1.0 decode, 10K-40K-row prefill chunks drawn uniformly or by
+// popularity) against plain LRU, S3-FIFO (Yang et al., SOSP 2023, with
+// prefill admitted into small, only from its ghost, or never) and SIEVE
+// (Zhang et al., NSDI 2024, with and without prefill). With uniform chunks
+// it is the best by 0.4-1.0 points (SIEVE without prefill) and 1.2-1.7
+// (S3-FIFO without prefill); with popular chunks S3-FIFO is 1.2-1.7 points
+// better, but that variant loses 7-12 points with uniform chunks. When 20% of
+// decode rows repeat the last chunk, plain LRU (0.537) beats every candidate
+// (S3-FIFO 0.481, an ARC-style adaptive chunk segment 0.478, this 0.473): it
+// keeps the whole chunk, which costs the others their scan resistance.
+//
+// Memory: the segments are intrusive doubly linked lists over slot indexes
+// and the index is an open-addressing table of slot indexes: no pointers, so
+// the garbage collector never scans it, and ~25 bytes per tracked page
+// (pinned or ghost; BenchmarkTierMemory), where the map-and-list SLRU took
+// ~300.
+//
+// The tier is split into shards (a mutex and three segments each), keyed by a
+// hash of the page, so concurrent FUSE readers and hint writers rarely meet
+// on one lock. The budget is the tier's, not each shard's: a page is
+// admitted only once it has a page of the budget, taken from the free budget
+// or by evicting from its own shard, so a working set that fits the budget is
+// held whole however the hash spreads it (with a budget per shard, 20,000
+// pages in 20,064 lost 171 to the fullest shards). A shard's nominal share
+// (capacity/N) sizes its protected segment, its ghost list and its slots; a
+// shard above its share gives up ghost slots. Every method is safe for
+// concurrent use.
 type Tier struct {
 	shards       []shard
 	shift        uint // shard index = mixed hash >> shift
 	admitPrefill prefillAdmission
-	calls        atomic.Uint64 // numbers Access calls, for stamps
+	capacity     int64        // pages
+	used         atomic.Int64 // pages in the tier; never above capacity
 }
 
 // Tuning, measured with BenchmarkTierTuning and BenchmarkTierHitRatio
@@ -109,29 +140,63 @@ func defaultTierOptions() tierOptions {
 	return tierOptions{probationPermille: probationPermille, ghostPermille: ghostPermille, admitPrefill: admitPrefill}
 }
 
-// shard is one independent SLRU. Its stamps let an Access call cancel its own
-// pin of a page it then evicts (and its own unpin of a page it then re-admits)
-// without searching its output.
+// Page keys are packed into 64 bits: table in the top keyTableBits, page in
+// the rest (2^44 pages of 4 KiB = 64 PiB per table file). The tier ignores a
+// page that does not fit (a miss that is never admitted).
+const (
+	keyTableBits = 20
+	keyPageBits  = 64 - keyTableBits
+)
+
+func packKey(k PageKey) (uint64, bool) {
+	if k.Table >= 1<<keyTableBits || k.Page >= 1<<keyPageBits {
+		return 0, false
+	}
+	return uint64(k.Table)<<keyPageBits | k.Page, true
+}
+
+func unpackKey(p uint64) PageKey {
+	return PageKey{Table: uint32(p >> keyPageBits), Page: p & (1<<keyPageBits - 1)}
+}
+
+// mix is a 64-bit finalizer (murmur3's fmix64): shards use its top bits, each
+// shard's index its low bits.
+func mix(x uint64) uint64 {
+	x ^= x >> 33
+	x *= 0xff51afd7ed558ccd
+	x ^= x >> 33
+	x *= 0xc4ceb9fe1a85ec53
+	x ^= x >> 33
+	return x
+}
+
+// Segments. Slots 0-2 are the heads of the three circular lists (a slot's
+// seg is the list it is on); a slot on no list is free.
+const (
+	segProbation uint8 = iota
+	segProtected
+	segGhost
+	segFree
+	nSegs = 3 // lists with a head slot
+)
+
+// shard is one independent SLRU over slots. A slot is a tracked page: on
+// probation, protected or the ghost list. All fields GUARDED_BY(mu).
 type shard struct {
 	mu           sync.Mutex
-	capacity     int                            // pages; probation+protected never exceed it after a key is processed
-	protectedMax int                            // capacity minus probation's reserved share
-	probation    *simplelru.LRU[PageKey, stamp] // GUARDED_BY(mu)
-	protected    *simplelru.LRU[PageKey, stamp] // GUARDED_BY(mu)
-	ghost        *simplelru.LRU[PageKey, stamp] // GUARDED_BY(mu)
-}
+	t            *Tier
+	capacity     int    // pages: the shard's nominal share of the budget
+	protectedMax int    // capacity minus probation's reserved share
+	ghostMax     int    // ghost list length
+	n            [3]int // pages on each list
 
-// stamp ties an entry to the Access call that last admitted it (idx: its
-// index in that call's Changes.Pin, or -1) or, in the ghost list, that last
-// evicted it (idx: its index in Changes.Unpin, or -1).
-type stamp struct {
-	call uint64
-	idx  int32
+	key        []uint64 // packed page key of each slot
+	prev, next []uint32 // list links
+	seg        []uint8  // list of each slot
+	free       uint32   // first free slot (linked through next); 0: none
+	index      []uint32 // open addressing, linear probing: slot, or 0 for empty
+	mask       uint64
 }
-
-// tombstone marks a cancelled slot in Changes until the call compacts it. No
-// table has id 2^32-1.
-var tombstone = PageKey{Table: ^uint32(0), Page: ^uint64(0)}
 
 // NewTier returns a tier of capacityBytes (rounded down to whole pages). A
 // capacity under one page disables it: every call is a cheap no-op.
@@ -145,6 +210,7 @@ func newTier(capacityBytes int64, o tierOptions) *Tier {
 	if pages <= 0 {
 		return t
 	}
+	t.capacity = pages
 	n := o.shards
 	if n <= 0 {
 		n = maxShards
@@ -155,13 +221,18 @@ func newTier(capacityBytes int64, o tierOptions) *Tier {
 	if n&(n-1) != 0 || int64(n) > pages {
 		n = 1
 	}
-	t.shift = uint(64 - bits.TrailingZeros(uint(n)))
+	bits := uint(0)
+	for 1<<bits < n {
+		bits++
+	}
+	t.shift = 64 - bits
 	t.shards = make([]shard, n)
 	for i := range t.shards {
 		c := int(pages / int64(n))
 		if int64(i) < pages%int64(n) {
 			c++ // shard capacities sum to exactly the budget
 		}
+		t.shards[i].t = t
 		t.shards[i].init(c, o)
 	}
 	return t
@@ -171,53 +242,113 @@ func (s *shard) init(capacity int, o tierOptions) {
 	s.capacity = capacity
 	reserve := max(1, (capacity*o.probationPermille+999)/1000)
 	s.protectedMax = max(0, capacity-reserve)
-	// The segments get one slot of slack: simplelru would otherwise evict
-	// silently (it has no callback here) before evict() can report the page.
-	s.probation, _ = simplelru.NewLRU[PageKey, stamp](capacity+1, nil)
-	s.protected, _ = simplelru.NewLRU[PageKey, stamp](capacity+1, nil)
-	s.ghost, _ = simplelru.NewLRU[PageKey, stamp](max(1, capacity*o.ghostPermille/1000), nil)
-}
-
-func (t *Tier) shardOf(k PageKey) *shard {
-	h := (k.Page ^ uint64(k.Table)<<40) * 0x9e3779b97f4a7c15 // Fibonacci hashing: the top bits are well mixed
-	return &t.shards[h>>t.shift]
-}
-
-// call is the state of one Access call.
-type call struct {
-	id           uint64
-	out          *Changes
-	pin0, unpin0 int // where this call's entries start in out
-	tombs        int
-}
-
-func (c *call) pin(k PageKey) int32 {
-	c.out.Pin = append(c.out.Pin, k)
-	return int32(len(c.out.Pin) - 1)
-}
-
-func (c *call) unpin(k PageKey) int32 {
-	c.out.Unpin = append(c.out.Unpin, k)
-	return int32(len(c.out.Unpin) - 1)
-}
-
-func (c *call) compact() {
-	if c.tombs == 0 {
-		return
+	s.ghostMax = capacity * o.ghostPermille / 1000
+	// One page over the budget and one over the ghost list's length exist
+	// for a moment, between an admission and its eviction.
+	slots := nSegs + capacity + s.ghostMax + 2
+	s.key = make([]uint64, slots)
+	s.prev = make([]uint32, slots)
+	s.next = make([]uint32, slots)
+	s.seg = make([]uint8, slots)
+	for l := range uint32(nSegs) {
+		s.prev[l], s.next[l], s.seg[l] = l, l, uint8(l)
 	}
-	c.out.Pin = c.out.Pin[:c.pin0+copyLive(c.out.Pin[c.pin0:])]
-	c.out.Unpin = c.out.Unpin[:c.unpin0+copyLive(c.out.Unpin[c.unpin0:])]
+	for i := slots - 1; i >= nSegs; i-- {
+		s.seg[i] = segFree
+		s.next[i] = s.free
+		s.free = uint32(i)
+	}
+	// Load factor at most 2/3: 1.5-3 index entries per slot.
+	size := 1
+	for size < (slots-nSegs)*3/2 {
+		size <<= 1
+	}
+	s.index = make([]uint32, size)
+	s.mask = uint64(size - 1)
 }
 
-func copyLive(ks []PageKey) int {
-	n := 0
-	for _, k := range ks {
-		if k != tombstone {
-			ks[n] = k
-			n++
+func (t *Tier) shardOf(key uint64) *shard {
+	if len(t.shards) == 1 {
+		return &t.shards[0]
+	}
+	return &t.shards[mix(key)>>t.shift]
+}
+
+// lookup returns the slot of key, or 0. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+func (s *shard) lookup(key uint64) uint32 {
+	for i := mix(key) & s.mask; ; i = (i + 1) & s.mask {
+		sl := s.index[i]
+		if sl == 0 || s.key[sl] == key {
+			return sl
 		}
 	}
-	return n
+}
+
+// indexAdd records slot sl (whose key is not indexed yet).
+// EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+func (s *shard) indexAdd(sl uint32) {
+	i := mix(s.key[sl]) & s.mask
+	for s.index[i] != 0 {
+		i = (i + 1) & s.mask
+	}
+	s.index[i] = sl
+}
+
+// indexDel forgets slot sl, shifting later entries of its probe run back (no
+// tombstones). EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+func (s *shard) indexDel(sl uint32) {
+	i := mix(s.key[sl]) & s.mask
+	for s.index[i] != sl {
+		i = (i + 1) & s.mask
+	}
+	for j := i; ; {
+		j = (j + 1) & s.mask
+		e := s.index[j]
+		if e == 0 {
+			break
+		}
+		home := mix(s.key[e]) & s.mask
+		// Move e into the hole at i unless its home lies cyclically in (i, j].
+		if (j-home)&s.mask >= (j-i)&s.mask {
+			s.index[i] = e
+			i = j
+		}
+	}
+	s.index[i] = 0
+}
+
+// unlink takes slot sl off its list. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+func (s *shard) unlink(sl uint32) {
+	p, n := s.prev[sl], s.next[sl]
+	s.next[p], s.prev[n] = n, p
+	s.n[s.seg[sl]]--
+}
+
+// pushFront puts slot sl at the MRU end of list l. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+func (s *shard) pushFront(l uint8, sl uint32) {
+	h := uint32(l)
+	n := s.next[h]
+	s.prev[sl], s.next[sl] = h, n
+	s.prev[n], s.next[h] = sl, sl
+	s.seg[sl] = l
+	s.n[l]++
+}
+
+// oldest is the LRU slot of list l, or 0 when it is empty.
+// EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+func (s *shard) oldest(l uint8) uint32 {
+	if p := s.prev[l]; p != uint32(l) {
+		return p
+	}
+	return 0
+}
+
+// release frees slot sl (already unlinked). EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+func (s *shard) release(sl uint32) {
+	s.indexDel(sl)
+	s.seg[sl] = segFree
+	s.next[sl] = s.free
+	s.free = sl
 }
 
 // Access records an access to each page of keys (in order; a page named twice
@@ -228,138 +359,212 @@ func (t *Tier) Access(keys []PageKey, sig Signal, out *Changes) {
 	if len(t.shards) == 0 || len(keys) == 0 {
 		return
 	}
-	c := call{id: t.calls.Add(1), out: out, pin0: len(out.Pin), unpin0: len(out.Unpin)}
+	ev0 := len(out.events)
 	for _, k := range keys {
-		s := t.shardOf(k)
+		key, ok := packKey(k)
+		if !ok {
+			out.Misses++
+			continue
+		}
+		s := t.shardOf(key)
 		s.mu.Lock()
-		s.access(k, sig, t.admitPrefill, &c)
+		s.access(key, sig, t.admitPrefill, out)
 		s.mu.Unlock()
 	}
-	c.compact()
+	// A page's first event says whether it was in the tier before the
+	// call (it was if it was evicted first), its last whether it is now.
+	ev := out.events[ev0:]
+	slices.SortStableFunc(ev, func(a, b tierEvent) int { return comparePageKeys(a.key, b.key) })
+	for i := 0; i < len(ev); {
+		j := i + 1
+		for j < len(ev) && ev[j].key == ev[i].key {
+			j++
+		}
+		before, after := !ev[i].admit, ev[j-1].admit
+		switch {
+		case after && !before:
+			out.Pin = append(out.Pin, ev[i].key)
+		case before && !after:
+			out.Unpin = append(out.Unpin, ev[i].key)
+		}
+		i = j
+	}
+	out.events = out.events[:ev0]
 }
 
 // access is one page. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) access(k PageKey, sig Signal, admit prefillAdmission, c *call) {
+func (s *shard) access(key uint64, sig Signal, admit prefillAdmission, out *Changes) {
+	sl := s.lookup(key)
+	seg := segFree
+	if sl != 0 {
+		seg = s.seg[sl]
+	}
 	if sig == SignalPrefill {
-		// Peek, not Get: a prefill chunk names a row once, which says nothing
-		// about whether decode will want it again.
-		if s.protected.Contains(k) || s.probation.Contains(k) {
-			c.out.Hits++
+		// No LRU update: a prefill chunk names a row once, which says
+		// nothing about whether decode will want it again.
+		if seg == segProbation || seg == segProtected {
+			out.Hits++
 			return
 		}
-		c.out.Misses++
-		g, ghost := s.ghost.Peek(k)
-		if admit == prefillAll || admit == prefillGhost && ghost {
-			s.admit(k, false, g, ghost, c)
+		out.Misses++
+		if admit == prefillAll || admit == prefillGhost && seg == segGhost {
+			s.admit(key, sl, false, out)
 		}
 		return
 	}
-	if _, ok := s.protected.Get(k); ok {
-		c.out.Hits++
-		return
-	}
-	if v, ok := s.probation.Peek(k); ok {
-		c.out.Hits++
-		s.probation.Remove(k)
-		s.protected.Add(k, v)
+	switch seg {
+	case segProtected:
+		out.Hits++
+		s.unlink(sl)
+		s.pushFront(segProtected, sl)
+	case segProbation:
+		out.Hits++
+		s.unlink(sl)
+		s.pushFront(segProtected, sl)
 		s.demote()
-		return
+	default:
+		out.Misses++
+		s.admit(key, sl, seg == segGhost, out)
 	}
-	c.out.Misses++
-	g, ghost := s.ghost.Peek(k)
-	s.admit(k, ghost, g, ghost, c)
 }
 
-// admit inserts a page that is in neither segment, then evicts to the budget.
+// admit inserts a page that is in neither segment (sl is its ghost slot, or
+// 0). It first takes a page of the budget: a free one, or one evicted from
+// this shard; if this shard holds none, the page is not admitted.
 // EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) admit(k PageKey, protect bool, g stamp, ghost bool, c *call) {
-	st := stamp{call: c.id, idx: -1}
-	if ghost && g.call == c.id && g.idx >= 0 {
-		// Evicted earlier in this very call: cancel that unpin; the page
-		// never stops being pinned.
-		c.out.Unpin[g.idx] = tombstone
-		c.tombs++
-	} else {
-		st.idx = c.pin(k)
+func (s *shard) admit(key uint64, sl uint32, protect bool, out *Changes) {
+	if sl != 0 {
+		s.unlink(sl) // off the ghost list (so the evictions below keep it)
 	}
-	if ghost {
-		s.ghost.Remove(k)
+	for {
+		u := s.t.used.Load()
+		if u < s.t.capacity {
+			if s.t.used.CompareAndSwap(u, u+1) {
+				break
+			}
+			continue
+		}
+		if !s.evictOne(out) {
+			if sl != 0 {
+				s.release(sl)
+			}
+			return
+		}
 	}
+	if sl == 0 {
+		sl = s.alloc(out)
+		s.key[sl] = key
+		s.indexAdd(sl)
+	}
+	out.events = append(out.events, tierEvent{key: unpackKey(key), admit: true})
 	if protect && s.protectedMax > 0 {
-		s.protected.Add(k, st)
+		s.pushFront(segProtected, sl)
 		s.demote()
 	} else {
-		s.probation.Add(k, st)
+		s.pushFront(segProbation, sl)
 	}
-	s.evict(c)
+}
+
+// alloc returns a free slot: from the free list, else the ghost list's
+// oldest, else (a shard far above its share) a page evicted from the shard,
+// forgotten at once. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
+func (s *shard) alloc(out *Changes) uint32 {
+	if s.free == 0 {
+		g := s.oldest(segGhost)
+		if g == 0 {
+			s.evictOne(out)
+			g = s.oldest(segGhost)
+		}
+		if g == 0 {
+			// Only with no ghost list at all: evictOne released its slot.
+			if s.free == 0 {
+				panic("cache: tier shard has no slot to give") // slots > 2 + pages of the shard
+			}
+		} else {
+			s.unlink(g)
+			s.release(g)
+		}
+	}
+	sl := s.free
+	s.free = s.next[sl]
+	return sl
 }
 
 // demote moves protected's overflow to probation's MRU end (SLRU): a page
 // that stops being hit gets one more probation lifetime before eviction.
 // EXCLUSIVE_LOCKS_REQUIRED(s.mu)
 func (s *shard) demote() {
-	for s.protected.Len() > s.protectedMax {
-		k, v, _ := s.protected.RemoveOldest()
-		s.probation.Add(k, v)
+	for s.n[segProtected] > s.protectedMax {
+		sl := s.oldest(segProtected)
+		s.unlink(sl)
+		s.pushFront(segProbation, sl)
 	}
 }
 
-// evict brings the shard back to its budget, from probation's LRU end.
-// Protected is never above protectedMax < capacity, so probation is never
-// empty here; the fallback only guards the arithmetic.
+// evictOne evicts the LRU page of probation (of protected if probation is
+// empty) onto the ghost list; false if the shard holds no page. Protected is
+// never above protectedMax < capacity, so probation is rarely empty.
 // EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) evict(c *call) {
-	for s.probation.Len()+s.protected.Len() > s.capacity {
-		k, v, ok := s.probation.RemoveOldest()
-		if !ok {
-			if k, v, ok = s.protected.RemoveOldest(); !ok {
-				return
-			}
+func (s *shard) evictOne(out *Changes) bool {
+	sl := s.oldest(segProbation)
+	if sl == 0 {
+		if sl = s.oldest(segProtected); sl == 0 {
+			return false
 		}
-		g := stamp{call: c.id, idx: -1}
-		if v.call == c.id && v.idx >= 0 {
-			// Admitted earlier in this very call: cancel that pin.
-			c.out.Pin[v.idx] = tombstone
-			c.tombs++
-		} else {
-			g.idx = c.unpin(k)
-		}
-		s.ghost.Add(k, g)
 	}
+	s.unlink(sl)
+	s.t.used.Add(-1)
+	out.events = append(out.events, tierEvent{key: unpackKey(s.key[sl])})
+	if s.ghostMax == 0 {
+		s.release(sl)
+		return true
+	}
+	s.pushFront(segGhost, sl)
+	if s.n[segGhost] > s.ghostMax {
+		g := s.oldest(segGhost)
+		s.unlink(g)
+		s.release(g)
+	}
+	return true
 }
 
 // Contains reports whether page k is in the tier (pinned, or about to be).
+// During an Access call that evicts k and admits it again, it may report
+// false for a moment; an executor that acts on it must not run concurrently
+// with Access (HotCache reads it under the mutex that its Access calls hold).
 // LOCKS_EXCLUDED(shard mu)
 func (t *Tier) Contains(k PageKey) bool {
-	if len(t.shards) == 0 {
+	key, ok := packKey(k)
+	if len(t.shards) == 0 || !ok {
 		return false
 	}
-	s := t.shardOf(k)
+	s := t.shardOf(key)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.probation.Contains(k) || s.protected.Contains(k)
+	sl := s.lookup(key)
+	return sl != 0 && s.seg[sl] != segGhost
+}
+
+// segmentOf names the list page k is on ("none" if untracked), for tests.
+func (t *Tier) segmentOf(k PageKey) string {
+	key, ok := packKey(k)
+	if len(t.shards) == 0 || !ok {
+		return "none"
+	}
+	s := t.shardOf(key)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if sl := s.lookup(key); sl != 0 {
+		return [...]string{"probation", "protected", "ghost"}[s.seg[sl]]
+	}
+	return "none"
 }
 
 // Len is the number of pages in the tier.
-func (t *Tier) Len() int {
-	n := 0
-	for i := range t.shards {
-		s := &t.shards[i]
-		s.mu.Lock()
-		n += s.probation.Len() + s.protected.Len()
-		s.mu.Unlock()
-	}
-	return n
-}
+func (t *Tier) Len() int { return int(t.used.Load()) }
 
-// Capacity is the budget in pages (the sum of the shard budgets).
-func (t *Tier) Capacity() int {
-	n := 0
-	for i := range t.shards {
-		n += t.shards[i].capacity
-	}
-	return n
-}
+// Capacity is the budget in pages.
+func (t *Tier) Capacity() int { return int(t.capacity) }
 
 // Keys lists the pages in the tier, shard by shard, each shard hottest first
 // (protected, then probation, MRU to LRU): the order to re-admit them in
@@ -367,35 +572,63 @@ func (t *Tier) Capacity() int {
 func (t *Tier) Keys() []PageKey {
 	var ks []PageKey
 	for i := range t.shards {
-		s := &t.shards[i]
-		s.mu.Lock()
-		ks = appendNewestFirst(ks, s.protected.Keys())
-		ks = appendNewestFirst(ks, s.probation.Keys())
-		s.mu.Unlock()
+		ks = t.shards[i].appendList(ks, segProtected)
+		ks = t.shards[i].appendList(ks, segProbation)
 	}
 	return ks
 }
 
-func appendNewestFirst(dst, oldestFirst []PageKey) []PageKey {
-	for i := len(oldestFirst) - 1; i >= 0; i-- {
-		dst = append(dst, oldestFirst[i])
+// appendList appends the pages of list l, MRU first. LOCKS_EXCLUDED(s.mu)
+func (s *shard) appendList(dst []PageKey, l uint8) []PageKey {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for sl := s.next[l]; sl != uint32(l); sl = s.next[sl] {
+		dst = append(dst, unpackKey(s.key[sl]))
 	}
 	return dst
 }
 
-// Remove drops page k from the tier without reporting an unpin: for a page
-// whose pin failed or was never attempted. If an Access call that is still
-// running had admitted k, its Changes.Pin still names k: an executor running
-// Remove concurrently with Access must check Contains before pinning (HotCache
-// does). LOCKS_EXCLUDED(shard mu)
+// Remove drops page k from the tier without reporting an unpin (and without
+// remembering it in the ghost list): for a page whose pin failed or was never
+// attempted. LOCKS_EXCLUDED(shard mu)
 func (t *Tier) Remove(k PageKey) {
-	if len(t.shards) == 0 {
+	key, ok := packKey(k)
+	if len(t.shards) == 0 || !ok {
 		return
 	}
-	s := t.shardOf(k)
+	s := t.shardOf(key)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if !s.probation.Remove(k) {
-		s.protected.Remove(k)
+	if sl := s.lookup(key); sl != 0 && s.seg[sl] != segGhost {
+		s.unlink(sl)
+		s.release(sl)
+		t.used.Add(-1)
 	}
+}
+
+func comparePageKeys(a, b PageKey) int {
+	switch {
+	case a.Table != b.Table:
+		if a.Table < b.Table {
+			return -1
+		}
+		return 1
+	case a.Page < b.Page:
+		return -1
+	case a.Page > b.Page:
+		return 1
+	}
+	return 0
+}
+
+// ghostLen is the number of pages on the ghost lists.
+func (t *Tier) ghostLen() int {
+	n := 0
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		n += s.n[segGhost]
+		s.mu.Unlock()
+	}
+	return n
 }

@@ -51,6 +51,7 @@ func BenchmarkTierAccessDecode(b *testing.B) {
 // with a prefill chunk of distinct rows every scanEvery steps.
 type trace struct {
 	rows      int     // one row per page
+	zipf      float64 // Zipf exponent of decode rows; 0: 0.9
 	steps     int     // decode steps
 	warm      int     // steps not counted in the hit ratio
 	perStep   int     // rows per decode step
@@ -67,7 +68,11 @@ type traceOp struct {
 }
 
 func (tc trace) ops(seed uint64) []traceOp {
-	z := newZipfRows(tc.rows, 0.9)
+	s := tc.zipf
+	if s == 0 {
+		s = 0.9
+	}
+	z := newZipfRows(tc.rows, s)
 	rng := rand.New(rand.NewPCG(seed, 11))
 	var ops []traceOp
 	var chunk []PageKey

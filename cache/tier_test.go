@@ -76,21 +76,8 @@ func scanPages(rng *rand.Rand, rows, n int) []PageKey {
 
 func pk(p uint64) PageKey { return PageKey{Page: p} }
 
-// segmentOf says where k is in a one-shard tier.
-func segmentOf(t *Tier, k PageKey) string {
-	s := t.shardOf(k)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	switch {
-	case s.protected.Contains(k):
-		return "protected"
-	case s.probation.Contains(k):
-		return "probation"
-	case s.ghost.Contains(k):
-		return "ghost"
-	}
-	return "none"
-}
+// segmentOf says where k is in a tier.
+func segmentOf(t *Tier, k PageKey) string { return t.segmentOf(k) }
 
 func access(t *Tier, sig Signal, ks ...PageKey) Changes {
 	var c Changes
@@ -293,9 +280,9 @@ func TestTierShardsSumToBudget(t *testing.T) {
 }
 
 // TestTierBudgetProperty runs random operation sequences against a model of
-// the executor (unpin, then pin) and checks after every call that the model
-// equals the tier, that the budget holds, and that Changes never asks to pin a
-// pinned page or unpin an unpinned one.
+// the executor and checks after every call that the model equals the tier,
+// that the budget holds, and that Changes never asks to pin a pinned page or
+// unpin an unpinned one.
 func TestTierBudgetProperty(t *testing.T) {
 	for seed := range uint64(12) {
 		rng := rand.New(rand.NewPCG(seed, 7))
@@ -326,15 +313,15 @@ func TestTierBudgetProperty(t *testing.T) {
 				}
 				unpinned := map[PageKey]bool{}
 				for _, k := range c.Unpin {
-					if !pinned[k] || unpinned[k] {
-						t.Fatalf("seed %d op %d: unpin of %v, not pinned", seed, op, k)
+					if !pinned[k] || unpinned[k] || tr.Contains(k) {
+						t.Fatalf("seed %d op %d: unpin of %v, not pinned or in the tier", seed, op, k)
 					}
 					unpinned[k] = true
 					delete(pinned, k)
 				}
 				for _, k := range c.Pin {
-					if pinned[k] {
-						t.Fatalf("seed %d op %d: pin of %v, already pinned", seed, op, k)
+					if pinned[k] || !tr.Contains(k) {
+						t.Fatalf("seed %d op %d: pin of %v, already pinned or not in the tier", seed, op, k)
 					}
 					pinned[k] = true
 				}
@@ -391,7 +378,7 @@ func TestTierScanResistance(t *testing.T) {
 				if steps%100 == 0 {
 					hot = hot[:0]
 					for i := range tr.shards {
-						hot = append(hot, tr.shards[i].protected.Keys()...)
+						hot = tr.shards[i].appendList(hot, segProtected)
 					}
 				}
 			}

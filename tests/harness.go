@@ -147,10 +147,30 @@ func Mount(t testing.TB, modelDir string, args ...string) *Daemon {
 // MountAt is Mount on a given mountpoint.
 func MountAt(t testing.TB, modelDir, mp string, args ...string) *Daemon {
 	t.Helper()
+	return mountAt(t, nil, modelDir, mp, args...)
+}
+
+// MountWrapped is Mount with the daemon started through wrapper, a command
+// that ends by exec'ing the daemon's command line, which is appended to it
+// (so the daemon keeps the wrapper's pid): e.g. capsh dropping a
+// capability, or a shell setting a ulimit.
+func MountWrapped(t testing.TB, wrapper []string, modelDir string, args ...string) *Daemon {
+	t.Helper()
+	RequireFUSE(t)
+	mp := filepath.Join(t.TempDir(), "mnt")
+	if err := os.Mkdir(mp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return mountAt(t, wrapper, modelDir, mp, args...)
+}
+
+func mountAt(t testing.TB, wrapper []string, modelDir, mp string, args ...string) *Daemon {
+	t.Helper()
 	d := &Daemon{ModelDir: modelDir, Mountpoint: mp, log: &syncBuffer{}, exited: make(chan struct{})}
-	full := append([]string{"mount"}, args...)
+	full := append([]string{Binary(t), "mount"}, args...)
 	full = append(full, modelDir, mp)
-	d.Cmd = exec.Command(Binary(t), full...)
+	full = append(append([]string(nil), wrapper...), full...)
+	d.Cmd = exec.Command(full[0], full[1:]...)
 	d.Cmd.Stdout = d.log
 	d.Cmd.Stderr = d.log
 	if err := d.Cmd.Start(); err != nil {

@@ -46,12 +46,13 @@ var statMetrics = map[string]statMetric{
 	"s3_hedges":        {"s3_hedges_total", counter, "Second GETs sent because the first had no first byte after the adaptive p95."},
 	"s3_etag_failures": {"s3_etag_failures_total", counter, "GETs refused with 412 Precondition Failed: the object was rewritten under the mount."},
 
-	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the pinned hot tier after clamping to RLIMIT_MEMLOCK."},
+	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the hot tier (--cache-size)."},
 	"cache_used_bytes":     {"cache_used_bytes", gauge, "Bytes of table pages locked in the page cache now."},
 	"cache_hits":           {"cache_hits_total", counter, "Hinted or faulted pages found in the hot tier."},
 	"cache_misses":         {"cache_misses_total", counter, "Hinted or faulted pages not in the hot tier."},
 	"cache_evictions":      {"cache_evictions_total", counter, "Pages unpinned to keep the hot tier within its budget."},
 	"cache_pinned":         {"cache_pinned", gauge, "1 when the hot tier can mlock pages, 0 when it runs unpinned."},
+	"cache_pin_dropped":    {"cache_pin_dropped_total", counter, "Pages admitted to the hot tier but not pinned because the pin queue was full."},
 
 	"hint_frames":   {"hint_frames_total", counter, "Hint frames accepted on the control file."},
 	"hint_rows":     {"hint_rows_total", counter, "Rows named by accepted hint frames."},
@@ -74,6 +75,7 @@ var notExported = map[string]string{
 	"pid":         "an identity, not a measurement (process_* metrics come from the process collector)",
 	"read_engine": "a setting, not a measurement (logged at mount)",
 	"layers":      "exported by layer as hint_pages_*_total{layer}",
+	"cache_mode":  "the words for cache_pinned (pinned | unpinned), which is exported",
 }
 
 // Per-layer hint accuracy (the "layers" object of the stats), labelled by layer.

@@ -44,6 +44,7 @@ type Counters struct {
 	CacheMisses        atomic.Uint64 // hinted or faulted pages not pinned
 	CacheEvictions     atomic.Uint64 // pages unpinned to stay within the budget
 	CachePinned        atomic.Bool   // false when mlock is unavailable (tier runs unpinned)
+	CachePinDropped    atomic.Uint64 // pages admitted but not pinned because the pin queue was full
 
 	// Hints (hints, fs).
 	HintFrames   atomic.Uint64 // frames accepted
@@ -133,6 +134,11 @@ type Snapshot struct {
 	CacheMisses        uint64 `json:"cache_misses"`
 	CacheEvictions     uint64 `json:"cache_evictions"`
 	CachePinned        bool   `json:"cache_pinned"`
+	// CacheMode is "pinned" when the hot tier locks its pages, "unpinned"
+	// when it may not (no CAP_IPC_LOCK and RLIMIT_MEMLOCK below the table
+	// files' size): then no page is reported pinned.
+	CacheMode       string `json:"cache_mode"`
+	CachePinDropped uint64 `json:"cache_pin_dropped"`
 
 	HintFrames   uint64 `json:"hint_frames"`
 	HintRows     uint64 `json:"hint_rows"`
@@ -183,6 +189,8 @@ func (c *Counters) Snapshot() Snapshot {
 		CacheMisses:        c.CacheMisses.Load(),
 		CacheEvictions:     c.CacheEvictions.Load(),
 		CachePinned:        c.CachePinned.Load(),
+		CacheMode:          cacheMode(c.CachePinned.Load()),
+		CachePinDropped:    c.CachePinDropped.Load(),
 
 		HintFrames:   c.HintFrames.Load(),
 		HintRows:     c.HintRows.Load(),
@@ -202,6 +210,13 @@ func (c *Counters) Snapshot() Snapshot {
 		Goroutines: runtime.NumGoroutine(),
 		Pid:        os.Getpid(),
 	}
+}
+
+func cacheMode(pinned bool) string {
+	if pinned {
+		return "pinned"
+	}
+	return "unpinned"
 }
 
 // LayerSnapshot is the JSON form of LayerCounters.

@@ -1,0 +1,166 @@
+package cache
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// warmFile writes a file of pages pages and leaves it in the page cache:
+// every neighbour of a pinned page is there for fault-around to map.
+func warmFile(t *testing.T, pages int) TableFile {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "warm.safetensors")
+	data := make([]byte, pages*PageSize)
+	for i := range data {
+		data[i] = byte(i/PageSize + 1)
+	}
+	if err := os.WriteFile(path, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.Read(make([]byte, len(data))); err != nil { // all cached
+		t.Fatal(err)
+	}
+	return TableFile{Path: path, Size: int64(len(data))}
+}
+
+// mmapAt is mmap(2) with addresses as integers (the test places mappings).
+func mmapAt(addr, length uintptr, prot, flags, fd int) (uintptr, error) {
+	r, _, errno := unix.Syscall6(unix.SYS_MMAP, addr, length, uintptr(prot), uintptr(flags), uintptr(fd), 0)
+	if errno != 0 {
+		return 0, errno
+	}
+	return r, nil
+}
+
+func munmapAt(addr, length uintptr) {
+	_, _, _ = unix.Syscall(unix.SYS_MUNMAP, addr, length, 0)
+}
+
+// mapSkewed maps f at skew pages past a 64 KiB boundary of virtual memory,
+// as the kernel may place the daemon's own mappings.
+func mapSkewed(skew int) func(TableFile) ([]byte, error) {
+	return func(f TableFile) ([]byte, error) {
+		const align = 64 << 10
+		size := uintptr(f.Size)
+		span := size + 2*align
+		lo, err := mmapAt(0, span, unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS, -1)
+		if err != nil {
+			return nil, err
+		}
+		at := (lo+align-1)&^(align-1) + uintptr(skew)*PageSize
+		fd, err := unix.Open(f.Path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return nil, err
+		}
+		defer unix.Close(fd)
+		// MAP_FIXED over our own reservation; then give back the rest of it.
+		if _, err := mmapAt(at, size, unix.PROT_READ, unix.MAP_SHARED|unix.MAP_FIXED, fd); err != nil {
+			return nil, err
+		}
+		if at > lo {
+			munmapAt(lo, at-lo)
+		}
+		end := (at + size + PageSize - 1) &^ (PageSize - 1)
+		munmapAt(end, lo+span-end)
+		b := unsafe.Slice((*byte)(*(*unsafe.Pointer)(unsafe.Pointer(&at))), size)
+		if err := unix.Madvise(b, unix.MADV_RANDOM); err != nil {
+			return nil, err
+		}
+		return b, nil
+	}
+}
+
+// TestPinnerFaultAroundByVirtualAddress pins and unpins pages and runs of a
+// file whose every page is cached, mapped 6, 10 and 2 pages past a 64 KiB
+// boundary: after every call the memory locked (smaps Locked) is exactly
+// the pages pinned. Fault-around maps the cached neighbours of a populated
+// page in a window aligned by virtual address; a trim aligned by file offset
+// left 6, 10 and 2 of them locked.
+func TestPinnerFaultAroundByVirtualAddress(t *testing.T) {
+	for _, skew := range []int{6, 10, 2} {
+		t.Run("skew="+string(rune('0'+skew/10))+string(rune('0'+skew%10)), func(t *testing.T) {
+			f := warmFile(t, 256)
+			p := newTestPinner(t, f)
+			p.mmap = mapSkewed(skew)
+			base := vmLck(t)
+			check := func(what string) {
+				t.Helper()
+				wantLocked(t, base, int(p.PinnedPages()), what)
+			}
+			for _, pg := range []uint64{40, 0, 15, 16, 100, 255, 47, 48} {
+				if err := p.Pin(PageKey{Page: pg}); err != nil {
+					t.Fatal(err)
+				}
+				check("pin of one page")
+			}
+			if got := p.PinnedPages(); got != 8 {
+				t.Fatalf("%d pages pinned, want 8", got)
+			}
+			for _, r := range [][2]uint64{{60, 9}, {120, 40}, {200, 1}} {
+				if err := p.PinRun(0, r[0], r[1]); err != nil {
+					t.Fatal(err)
+				}
+				check("pin of a run")
+			}
+			for _, pg := range []uint64{40, 15, 255, 130, 61} {
+				if err := p.Unpin(PageKey{Page: pg}); err != nil {
+					t.Fatal(err)
+				}
+				check("unpin")
+			}
+			if err := p.UnpinRun(0, 120, 40); err != nil {
+				t.Fatal(err)
+			}
+			check("unpin of a run")
+		})
+	}
+}
+
+// TestPinnerFailedPinTrimsNeighbours: a run that fails half way (past the
+// real end of the file) leaves neither its populated pages nor their cached
+// fault-around neighbours locked, and keeps what was pinned before.
+func TestPinnerFailedPinTrimsNeighbours(t *testing.T) {
+	f := warmFile(t, 40)
+	f.Size = 48 * PageSize // the pinner believes the file is longer than it is
+	p := newTestPinner(t, f)
+	p.mmap = func(tf TableFile) ([]byte, error) { return mapSkewed(6)(tf) }
+	base := vmLck(t)
+	if err := p.Pin(PageKey{Page: 33}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PinRun(0, 36, 8); err == nil {
+		t.Fatal("a run past the real end of the file was pinned")
+	}
+	wantLocked(t, base, 1, "after a failed run")
+	if !p.Pinned(PageKey{Page: 33}) || p.Pinned(PageKey{Page: 36}) || p.PinnedPages() != 1 {
+		t.Fatalf("pinned after a failed run: 33 %v, 36 %v, %d pages", p.Pinned(PageKey{Page: 33}), p.Pinned(PageKey{Page: 36}), p.PinnedPages())
+	}
+}
+
+func TestFaultWindow(t *testing.T) {
+	const span = 64 << 10
+	for _, tc := range []struct {
+		base, first, n, pages uint64
+		lo, hi                uint64
+	}{
+		{base: 0x100000, first: 20, n: 1, pages: 100, lo: 16, hi: 32},              // aligned base: file-aligned window
+		{base: 0x100000 + 6*PageSize, first: 0, n: 1, pages: 100, lo: 0, hi: 10},   // clipped at the start
+		{base: 0x100000 + 6*PageSize, first: 10, n: 1, pages: 100, lo: 10, hi: 26}, // window starts at page 10
+		{base: 0x100000 + 6*PageSize, first: 9, n: 2, pages: 100, lo: 0, hi: 26},   // run across two windows
+		{base: 0x100000 + 6*PageSize, first: 95, n: 1, pages: 100, lo: 90, hi: 100},
+	} {
+		lo, hi := faultWindow(tc.base, tc.first, tc.n, span, tc.pages)
+		if lo != tc.lo || hi != tc.hi {
+			t.Errorf("faultWindow(%#x, %d, %d): [%d, %d), want [%d, %d)", tc.base, tc.first, tc.n, lo, hi, tc.lo, tc.hi)
+		}
+	}
+}
