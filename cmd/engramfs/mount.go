@@ -165,6 +165,7 @@ type daemon struct {
 	store   *backing.Store
 	engine  ioengine.Engine
 	pf      *prefetch.Prefetcher
+	files   *tableFiles // the daemon's own opens of the table files
 	hot     *cache.HotCache
 	st      *stats.Counters
 	model   *backing.Model
@@ -276,6 +277,11 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		_ = d.stop(true)
 		return nil, fmt.Errorf("mount %s: the new mount does not answer: %w", mountpoint, err)
 	}
+	if d.files, err = openTableFiles(srv, len(model.Tables)); err != nil {
+		_ = d.stop(true)
+		return nil, fmt.Errorf("mount %s: %w", mountpoint, err)
+	}
+	pusher.bindFiles(d.files)
 	if mf.stateFile != "" {
 		d.warmKeys = loadWarmState(mf.stateFile, model, tierPages(st), log)
 	}
@@ -385,6 +391,9 @@ func (d *daemon) stop(unmount bool) error {
 		d.warm.Stop()
 	}
 	d.pf.Close()
+	if d.files != nil {
+		d.files.close()
+	}
 	if d.stateFile != "" {
 		d.saveWarmState()
 	}
@@ -413,8 +422,9 @@ func (d *daemon) stop(unmount bool) error {
 
 // latePusher forwards stores to the mount once it exists.
 type latePusher struct {
-	mu  sync.RWMutex
-	srv *fs.Server
+	mu    sync.RWMutex
+	srv   *fs.Server
+	files *tableFiles // tablefiles.go
 }
 
 func (p *latePusher) bind(s *fs.Server) { p.mu.Lock(); p.srv = s; p.mu.Unlock() }
