@@ -145,10 +145,12 @@ func (c *controlFile) barrier(ctx context.Context, h *controlHandle) (prefetch.S
 // their writes arrive, so no frame is ever held whole. A bad frame fails the
 // write that delivers its first bad field with EINVAL (frames and rows
 // before it are still accepted) and resets the stream. While the handle has
-// more decode work queued than prefetch.Config.DecodeQueuePages, the write
-// is refused with EAGAIN before a byte of it is decoded, so the client may
-// send the same bytes again; prefill work is never refused (the oldest is
-// dropped, counted, instead).
+// more decode work queued than prefetch.Config.DecodeQueuePages, a write
+// that starts a frame is refused with EAGAIN before a byte of it is
+// decoded, so the client sends the same frame again; a frame already begun
+// is always finished (a frame is one write(2) for our clients, so EAGAIN
+// never leaves a short write behind). Prefill work is never refused: the
+// oldest is dropped, counted, instead.
 func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
 	h, ok := fh.(*controlHandle)
 	if !ok {
@@ -156,7 +158,7 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 	}
 	o := c.r.o
 	h.mu.Lock()
-	if o.Hints != nil && h.b.DecodeBacklog() >= o.Hints.Config().DecodeQueuePages {
+	if o.Hints != nil && h.dec.AtFrameStart() && h.b.DecodeBacklog() >= o.Hints.Config().DecodeQueuePages {
 		h.mu.Unlock()
 		o.Stats.HintRefused.Add(1)
 		return 0, syscall.EAGAIN

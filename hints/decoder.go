@@ -119,6 +119,10 @@ func (d *Decoder) Reset() {
 	*d = Decoder{v: d.v, stream: d.stream}
 }
 
+// AtFrameStart reports whether the stream is between frames: a write
+// refused now (the filesystem's EAGAIN) leaves no frame half taken.
+func (d *Decoder) AtFrameStart() bool { return d.st == stStart }
+
 // Buffered reports the bytes of memory the partial frame holds.
 func (d *Decoder) Buffered() int {
 	return rowLen*cap(d.rows) + d.n

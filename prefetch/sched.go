@@ -2,6 +2,7 @@ package prefetch
 
 import (
 	"github.com/engramfs/engramfs/cache"
+	"github.com/engramfs/engramfs/hints"
 )
 
 // This file is the scheduler's core: admission, priority, drops, cancellation
@@ -31,18 +32,8 @@ const (
 	Dropped
 )
 
-// Status is what a barrier reports: counts of pages since the previous
-// barrier on the same handle. Pages = Resident + Pinned + Dropped + Failed
-// once everything named has settled; a page named again by the same handle
-// while still pending counts once.
-type Status struct {
-	Frames   uint64 `json:"frames"`
-	Pages    uint64 `json:"pages"`
-	Resident uint64 `json:"resident"`
-	Pinned   uint64 `json:"pinned"`
-	Dropped  uint64 `json:"dropped"`
-	Failed   uint64 `json:"failed"`
-}
+// Status is what a barrier reports (the control file's status line).
+type Status = hints.Status
 
 type stage uint8
 

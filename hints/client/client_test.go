@@ -209,3 +209,25 @@ with eh.Hinter(sys.argv[1]) as h:
 		t.Fatalf("decoded %v, want %v", got, want)
 	}
 }
+
+// A status line read back from the handle is the barrier's answer; a failed
+// page is an error that still carries the counts.
+func TestBarrierParsesTheStatusLine(t *testing.T) {
+	mount, control := fakeMount(t)
+	if err := os.WriteFile(control, []byte(`{"frames":2,"pages":9,"resident":7,"pinned":1,"dropped":0,"failed":1}`+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h, err := Open(mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	st, err := h.Barrier()
+	if !errors.Is(err, ErrFailed) || st.Pages != 9 || st.Resident != 7 || st.Failed != 1 {
+		t.Fatalf("Barrier: %+v, %v", st, err)
+	}
+	// Nothing more to read: nothing pending.
+	if st, err := h.Barrier(); err != nil || st != (hints.Status{}) {
+		t.Fatalf("idle Barrier: %+v, %v", st, err)
+	}
+}
