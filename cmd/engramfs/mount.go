@@ -32,6 +32,7 @@ type mountFlags struct {
 	backingIO    string
 	readEngine   string
 	prefillQueue int
+	decodeQueue  int
 	cacheSize    string
 	injectFaults string
 	metricsAddr  string
@@ -57,6 +58,8 @@ func (f *mountFlags) register(fl interface {
 		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off")
 	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultConfig(1).PrefillQueuePages,
 		"prefill pages queued at most; past it the oldest prefill hints are dropped (decode hints are never dropped)")
+	fl.IntVar(&f.decodeQueue, "decode-queue", prefetch.DefaultConfig(1).DecodeQueuePages,
+		"decode pages one control handle may have queued; past it its next frame is refused with EAGAIN (min 256)")
 	fl.BoolVar(&f.allowOther, "allow-other", false,
 		"let users other than the daemon's read the mount (the control file stays owner-only)")
 	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
@@ -253,6 +256,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 	pusher := &latePusher{}
 	pcfg := prefetch.DefaultConfig(mf.queueDepth)
 	pcfg.PrefillQueuePages = mf.prefillQueue
+	pcfg.DecodeQueuePages = mf.decodeQueue
 	pf := prefetch.New(pcfg, model, loader, pusher, hot, st, log)
 	srv, err := fs.Mount(mountpoint, fs.Options{
 		Model: model, Loader: loader, Stats: st, Log: log,
