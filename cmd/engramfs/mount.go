@@ -85,7 +85,7 @@ maps a file). The tree:
   model.safetensors.index.json      weight_map: tensor name -> table file
   layers/<L>/<table>.safetensors    one single-tensor safetensors file per table, data page-aligned
   .engramfs/stats                   JSON counters
-  .engramfs/control                 hints: write frames, fsync waits for them (owner only)
+  .engramfs/control                 hints: write frames, read(2) on the handle waits for them (owner only)
 
 MODEL_DIR holds model.safetensors.index.json and its shards, or *.safetensors
 files. Must run as root (or with the right to mount FUSE directly).`)
