@@ -20,10 +20,11 @@ import (
 type Barrier struct {
 	p atomic.Pointer[Prefetcher] // nil until the first submission
 
-	seq    uint64        // submissions accepted
-	open   []pending     // submissions with pages pending, oldest first
-	status Status        // since the previous Wait
-	wake   chan struct{} // closed (and replaced) when open's head advances; nil: nobody waits
+	seq      uint64        // submissions begun
+	accepted uint64        // submissions whose admission finished: what a barrier covers
+	open     []pending     // submissions with pages pending, oldest first
+	status   Status        // since the previous Wait
+	wake     chan struct{} // closed (and replaced) when open's head advances; nil: nobody waits
 
 	decodeQ runFIFO // this handle's decode work
 	inRing  bool    // decodeQ is in the core's round robin
@@ -58,7 +59,7 @@ func (b *Barrier) Status(ctx context.Context) (Status, error) {
 		return Status{}, nil
 	}
 	p.mu.Lock()
-	target := b.seq
+	target := b.accepted
 	for !b.settledThrough(target) {
 		if b.wake == nil {
 			b.wake = make(chan struct{})

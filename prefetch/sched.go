@@ -152,8 +152,10 @@ func (c *core) submission(b *Barrier) uint64 {
 	return b.seq
 }
 
-// endSubmission closes what submission opened: frameEnd counts a frame.
-func (c *core) endSubmission(b *Barrier, frameEnd bool) {
+// endSubmission closes what submission seq opened: frameEnd counts a frame.
+// Barriers cover it from now on.
+func (c *core) endSubmission(b *Barrier, seq uint64, frameEnd bool) {
+	b.accepted = seq
 	if frameEnd {
 		b.status.Frames++
 	}

@@ -14,7 +14,7 @@ import (
 func submit(c *core, b *Barrier, decode bool, frameEnd bool, runs ...pageRun) uint64 {
 	seq := c.submission(b)
 	c.admit(b, seq, runs, decode, decode)
-	c.endSubmission(b, frameEnd)
+	c.endSubmission(b, seq, frameEnd)
 	return seq
 }
 
