@@ -86,9 +86,9 @@ type Decoder struct {
 	v      Validator
 	stream bool // hand out the rows of a partial frame at the end of every write
 	st     state
-	buf   [maxToken]byte // partial header, row or text token
-	n     int            // bytes in buf
-	field int            // text: token index in the line: 0 class, 1 layer, then rows
+	buf    [maxToken]byte // partial header, row or text token
+	n      int            // bytes in buf
+	field  int            // text: token index in the line: 0 class, 1 layer, then rows
 
 	// The frame being decoded.
 	class     Class
