@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"sync"
 	"syscall"
@@ -18,15 +19,29 @@ import (
 
 // Hinter receives decoded hint frames (prefetch.Prefetcher).
 type Hinter interface {
-	Submit(class hints.Class, layer int, rows []uint64, b *prefetch.Barrier)
+	// SubmitPart queues the rows one write delivered of a frame; frameEnd
+	// says the frame is complete. It never waits for fetches or queue room.
+	SubmitPart(b *prefetch.Barrier, class hints.Class, layer int, rows []uint64, frameEnd bool)
+	Config() prefetch.Config
 }
 
-// controlFile is .engramfs/control: hint frames are written to it, and fsync
-// on a handle is a barrier for that handle's frames.
+// controlFile is .engramfs/control: hint frames are written to it, and read(2)
+// on a handle is the barrier for that handle's frames (fsync too, at a cost:
+// see Fsync).
 type controlFile struct {
 	roFile
 	r *root
 }
+
+// ControlSize is the size the control file reports. The kernel takes the
+// inode lock exclusively for a direct-io write that reaches past EOF
+// (fs/fuse/file.c: fuse_dio_wr_exclusive_lock -> fuse_io_past_eof), even
+// with FOPEN_PARALLEL_DIRECT_WRITES; a stream file writes at position 0, so
+// a size above any write keeps every write on the shared lock.
+const ControlSize = 1 << 40
+
+// statusLineMax bounds the barrier's JSON line; a read must offer this much.
+const statusLineMax = 256
 
 // controlHandle is one open of the control file: its own frame stream and
 // its own barrier.
@@ -34,7 +49,7 @@ type controlHandle struct {
 	mu  sync.Mutex // serialises writes: the stream is ordered per handle
 	dec *hints.Decoder
 	b   *prefetch.Barrier
-	// layer names what the frames since the last fsync asked for, for the
+	// layer names what the frames since the last barrier asked for, for the
 	// barrier-wait histogram's label: one layer, stats.BarrierSeveralLayers
 	// or stats.BarrierNoLayer. GUARDED_BY(mu)
 	layer int
@@ -49,13 +64,20 @@ var (
 )
 
 // Open admits the daemon's own user only: with allow_other, other users
-// could otherwise steer what the daemon reads and pins. DIRECT_IO, so every
-// write reaches us as written (no page cache for a stream).
+// could otherwise steer what the daemon reads and pins.
+//
+// DIRECT_IO: every write reaches us as written (no page cache for a
+// stream), and reads are barriers, not data. PARALLEL_DIRECT_WRITES: the
+// kernel takes the control inode's lock shared for our writes
+// (fuse_dio_lock), so one rank's write never waits for another's. STREAM:
+// writes and reads happen at position 0 (no pread/pwrite), which with
+// ControlSize keeps every write inside the file, as the shared lock needs.
 func (c *controlFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if caller, ok := fuse.FromContext(ctx); ok && caller.Uid != c.r.o.uid {
 		return nil, 0, syscall.EACCES
 	}
-	return &controlHandle{dec: hints.NewDecoder(c.r.o.Model), b: prefetch.NewBarrier(), layer: stats.BarrierNoLayer}, fuse.FOPEN_DIRECT_IO, 0
+	h := &controlHandle{dec: hints.NewStreamDecoder(c.r.o.Model), b: prefetch.NewBarrier(), layer: stats.BarrierNoLayer}
+	return h, fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES | fuse.FOPEN_STREAM, 0
 }
 
 // Setattr accepts the truncate of `echo ... > control` (there is nothing to
@@ -68,14 +90,67 @@ func (c *controlFile) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.
 	return syscall.EROFS
 }
 
-// Read: the control file has nothing to read.
+// Read is the barrier: it blocks until every frame accepted on this handle
+// before the read has settled, then returns one line of JSON with the counts
+// since the previous barrier (prefetch.Status). With nothing accepted since
+// the previous barrier it returns 0 bytes at once (so `cat` ends). A signal
+// interrupts the wait (EINTR); the counts are kept for the next barrier.
 func (c *controlFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
-	return fuse.ReadResultData(nil), 0
+	h, ok := fh.(*controlHandle)
+	if !ok {
+		return nil, syscall.EBADF
+	}
+	if h.b.Idle() {
+		return fuse.ReadResultData(nil), 0
+	}
+	if len(dest) < statusLineMax {
+		return nil, syscall.EINVAL
+	}
+	st, errno := c.barrier(ctx, h)
+	if errno != 0 {
+		return nil, errno
+	}
+	line, err := json.Marshal(st)
+	if err != nil {
+		return nil, syscall.EIO
+	}
+	return fuse.ReadResultData(append(line, '\n')), 0
 }
 
-// Write feeds the handle's frame stream. A bad frame fails the write that
-// delivers its first bad field with EINVAL (frames completed before it in
-// the same write are still accepted) and resets the stream.
+// barrier waits for h's frames, timing the wait when metrics are on.
+func (c *controlFile) barrier(ctx context.Context, h *controlHandle) (prefetch.Status, syscall.Errno) {
+	var (
+		st  prefetch.Status
+		err error
+	)
+	if tm := c.r.o.Stats.Timings; tm != nil {
+		h.mu.Lock()
+		layer := h.layer
+		h.layer = stats.BarrierNoLayer
+		h.mu.Unlock()
+		start := time.Now()
+		st, err = h.b.Status(ctx)
+		tm.BarrierWaited(layer, time.Since(start))
+	} else {
+		st, err = h.b.Status(ctx)
+	}
+	if err != nil {
+		return st, syscall.EINTR
+	}
+	return st, 0
+}
+
+// Write feeds the handle's frame stream: it decodes and queues, and never
+// waits for a fetch or for queue room. The rows of a frame are queued as
+// their writes arrive, so no frame is ever held whole. A bad frame fails the
+// write that delivers its first bad field with EINVAL (frames and rows
+// before it are still accepted) and resets the stream. While the handle has
+// more decode work queued than prefetch.Config.DecodeQueuePages, a write
+// that starts a frame is refused with EAGAIN before a byte of it is
+// decoded, so the client sends the same frame again; a frame already begun
+// is always finished (a frame is one write(2) for our clients, so EAGAIN
+// never leaves a short write behind). Prefill work is never refused: the
+// oldest is dropped, counted, instead.
 func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
 	h, ok := fh.(*controlHandle)
 	if !ok {
@@ -83,19 +158,26 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 	}
 	o := c.r.o
 	h.mu.Lock()
-	frames, err := h.dec.Write(data)
-	for _, f := range frames {
-		switch h.layer {
-		case stats.BarrierNoLayer:
-			h.layer = f.Layer
-		case f.Layer, stats.BarrierSeveralLayers:
-		default:
-			h.layer = stats.BarrierSeveralLayers
+	if o.Hints != nil && h.dec.AtFrameStart() && h.b.DecodeBacklog() >= o.Hints.Config().DecodeQueuePages {
+		h.mu.Unlock()
+		o.Stats.HintRefused.Add(1)
+		return 0, syscall.EAGAIN
+	}
+	parts, err := h.dec.Write(data)
+	for _, f := range parts {
+		if !f.More {
+			switch h.layer {
+			case stats.BarrierNoLayer:
+				h.layer = f.Layer
+			case f.Layer, stats.BarrierSeveralLayers:
+			default:
+				h.layer = stats.BarrierSeveralLayers
+			}
+			o.Stats.HintFrames.Add(1)
 		}
-		o.Stats.HintFrames.Add(1)
 		o.Stats.HintRows.Add(uint64(len(f.Rows)))
 		if o.Hints != nil {
-			o.Hints.Submit(f.Class, f.Layer, f.Rows, h.b)
+			o.Hints.SubmitPart(h.b, f.Class, f.Layer, f.Rows, !f.More)
 		}
 	}
 	h.mu.Unlock()
@@ -110,33 +192,26 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 	return uint32(len(data)), 0
 }
 
-// Fsync returns once every frame accepted on this handle so far is resident
-// (0) or has failed (EIO).
+// Fsync waits as the read barrier does and returns 0, or EIO if pages
+// failed since the previous barrier; dropped prefill pages are not
+// failures. It is kept for existing clients, but it serializes the node:
+// the kernel holds the control inode's lock for the whole FUSE fsync
+// (fuse_fsync), and every other handle's writes wait behind it (measured:
+// a 72-row decode write stalled 963 ms behind another process's 1 s
+// prefill fsync). Clients use the read barrier.
 func (c *controlFile) Fsync(ctx context.Context, fh gofs.FileHandle, flags uint32) syscall.Errno {
 	h, ok := fh.(*controlHandle)
 	if !ok {
 		return syscall.EBADF
 	}
-	var err error
-	if tm := c.r.o.Stats.Timings; tm != nil {
-		h.mu.Lock()
-		layer := h.layer
-		h.layer = stats.BarrierNoLayer
-		h.mu.Unlock()
-		start := time.Now()
-		err = h.b.Wait(ctx)
-		tm.BarrierWaited(layer, time.Since(start))
-	} else {
-		err = h.b.Wait(ctx)
-	}
+	st, errno := c.barrier(ctx, h)
 	switch {
-	case err == nil:
-		return 0
-	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
-		return syscall.EINTR
-	default:
+	case errno != 0:
+		return errno
+	case st.Failed > 0:
 		return syscall.EIO
 	}
+	return 0
 }
 
 // Store pushes data into the page cache of table id at off (NOTIFY_STORE).

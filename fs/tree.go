@@ -139,7 +139,7 @@ func (r *root) OnAdd(ctx context.Context) {
 
 	ctl := addDir(&r.Inode, ControlDir)
 	addFile(ctl, StatsFile, &statsFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o444, 0)}, st: r.o.Stats})
-	addFile(ctl, ControlFile, &controlFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o200, 0)}, r: r})
+	addFile(ctl, ControlFile, &controlFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o600, ControlSize)}, r: r})
 }
 
 // attr returns the fixed attributes of a node: owned by the daemon's user,

@@ -26,11 +26,14 @@ func (c Class) String() string {
 	return fmt.Sprintf("Class(%d)", uint8(c))
 }
 
-// Frame is one decoded hint: fetch Rows of every table of Layer.
+// Frame is one decoded hint: fetch Rows of every table of Layer. A streaming
+// decoder also returns parts of frames: More says the frame continues in
+// later writes, and Rows are only the rows this write completed.
 type Frame struct {
 	Class Class
 	Layer int
 	Rows  []uint64
+	More  bool
 }
 
 // Validator tells the decoder which layers exist and their row counts.
@@ -80,17 +83,19 @@ const (
 // not safe for concurrent use: FUSE may deliver two writes of one handle at
 // once, so the filesystem must serialise them (a mutex per handle).
 type Decoder struct {
-	v     Validator
-	st    state
-	buf   [maxToken]byte // partial header, row or text token
-	n     int            // bytes in buf
-	field int            // text: token index in the line: 0 class, 1 layer, then rows
+	v      Validator
+	stream bool // hand out the rows of a partial frame at the end of every write
+	st     state
+	buf    [maxToken]byte // partial header, row or text token
+	n      int            // bytes in buf
+	field  int            // text: token index in the line: 0 class, 1 layer, then rows
 
 	// The frame being decoded.
 	class     Class
 	layer     int
 	layerRows uint64
 	count     int // binary: rows the header announced
+	got       int // rows of the frame decoded so far
 	rows      []uint64
 }
 
@@ -99,10 +104,24 @@ func NewDecoder(v Validator) *Decoder {
 	return &Decoder{v: v}
 }
 
+// NewStreamDecoder is NewDecoder for a decoder that never buffers a frame:
+// at the end of every write it returns the rows of a frame still incomplete
+// as a part (More set), so a handle holds at most a partial row or header
+// between writes, whatever the frame's size. The caller owns every Rows
+// slice it returns. Rows of a frame that later turns out bad have been
+// returned already; only the bad field and what follows it are refused.
+func NewStreamDecoder(v Validator) *Decoder {
+	return &Decoder{v: v, stream: true}
+}
+
 // Reset drops any partial frame so that the next write starts a fresh one.
 func (d *Decoder) Reset() {
-	*d = Decoder{v: d.v}
+	*d = Decoder{v: d.v, stream: d.stream}
 }
+
+// AtFrameStart reports whether the stream is between frames: a write
+// refused now (the filesystem's EAGAIN) leaves no frame half taken.
+func (d *Decoder) AtFrameStart() bool { return d.st == stStart }
 
 // Buffered reports the bytes of memory the partial frame holds.
 func (d *Decoder) Buffered() int {
@@ -145,6 +164,10 @@ func (d *Decoder) Write(p []byte) ([]Frame, error) {
 			d.Reset()
 		}
 	}
+	if d.stream && len(d.rows) > 0 {
+		frames = append(frames, Frame{Class: d.class, Layer: d.layer, Rows: d.rows, More: true})
+		d.rows = nil
+	}
 	return frames, nil
 }
 
@@ -167,14 +190,15 @@ func (d *Decoder) setLayer(layer int) error {
 	return nil
 }
 
-// reserve makes room for n more rows, never for more than limit in all, so
-// capacity follows the bytes that have arrived and not a claimed count.
+// reserve makes room for n more rows, never for more than limit rows of the
+// frame in all, so capacity follows the bytes that have arrived and not a
+// claimed count.
 func (d *Decoder) reserve(n, limit int) {
 	need := len(d.rows) + n
 	if need <= cap(d.rows) {
 		return
 	}
-	c := min(max(need, 2*cap(d.rows), minRows), limit)
+	c := min(max(need, 2*cap(d.rows), minRows), limit-(d.got-len(d.rows)))
 	rows := make([]uint64, len(d.rows), c)
 	copy(rows, d.rows)
 	d.rows = rows
@@ -240,11 +264,12 @@ func (d *Decoder) binaryRows(p []byte) (int, bool, error) {
 		}
 		d.reserve(1, d.count)
 		d.rows = append(d.rows, row)
-		if len(d.rows) == d.count {
+		d.got++
+		if d.got == d.count {
 			return used, true, nil
 		}
 	}
-	k := min((len(p)-used)/rowLen, d.count-len(d.rows))
+	k := min((len(p)-used)/rowLen, d.count-d.got)
 	d.reserve(k, d.count)
 	for range k {
 		row := binary.LittleEndian.Uint64(p[used:])
@@ -254,7 +279,8 @@ func (d *Decoder) binaryRows(p []byte) (int, bool, error) {
 		d.rows = append(d.rows, row)
 		used += rowLen
 	}
-	if len(d.rows) == d.count {
+	d.got += k
+	if d.got == d.count {
 		return used, true, nil
 	}
 	// Fewer than rowLen bytes are left: keep them for the next write.
@@ -353,11 +379,12 @@ func (d *Decoder) endToken() error {
 		if row >= d.layerRows {
 			return d.outOfRange(row)
 		}
-		if len(d.rows) == MaxRowsPerFrame {
+		if d.got == MaxRowsPerFrame {
 			return d.errorf("layer %d: more than %d rows", d.layer, MaxRowsPerFrame)
 		}
 		d.reserve(1, MaxRowsPerFrame)
 		d.rows = append(d.rows, row)
+		d.got++
 	}
 	d.field++
 	d.n = 0

@@ -84,23 +84,23 @@ func TestDecodeValid(t *testing.T) {
 		in   string
 		want []Frame
 	}{
-		{"text", "decode 0 1 2 999\n", []Frame{{Decode, 0, []uint64{1, 2, 999}}}},
-		{"text large rows", "prefill 1 0 18446744073709551614\n", []Frame{{Prefill, 1, []uint64{0, math.MaxUint64 - 1}}}},
-		{"text tabs and spaces", "  decode\t0  5 \t6 \t\n", []Frame{{Decode, 0, []uint64{5, 6}}}},
-		{"text crlf", "decode 0 5\r\nprefill 0 6 \r\n", []Frame{{Decode, 0, []uint64{5}}, {Prefill, 0, []uint64{6}}}},
-		{"text leading zeros", "decode 000 007\n", []Frame{{Decode, 0, []uint64{7}}}},
-		{"text no rows", "decode 0\nprefill 9 # empty layer\n", []Frame{{Decode, 0, nil}, {Prefill, 9, nil}}},
-		{"text comment ends token", "decode 0 1#2 3\n", []Frame{{Decode, 0, []uint64{1}}}},
+		{"text", "decode 0 1 2 999\n", []Frame{{Class: Decode, Layer: 0, Rows: []uint64{1, 2, 999}}}},
+		{"text large rows", "prefill 1 0 18446744073709551614\n", []Frame{{Class: Prefill, Layer: 1, Rows: []uint64{0, math.MaxUint64 - 1}}}},
+		{"text tabs and spaces", "  decode\t0  5 \t6 \t\n", []Frame{{Class: Decode, Layer: 0, Rows: []uint64{5, 6}}}},
+		{"text crlf", "decode 0 5\r\nprefill 0 6 \r\n", []Frame{{Class: Decode, Layer: 0, Rows: []uint64{5}}, {Class: Prefill, Layer: 0, Rows: []uint64{6}}}},
+		{"text leading zeros", "decode 000 007\n", []Frame{{Class: Decode, Layer: 0, Rows: []uint64{7}}}},
+		{"text no rows", "decode 0\nprefill 9 # empty layer\n", []Frame{{Class: Decode, Layer: 0, Rows: nil}, {Class: Prefill, Layer: 9, Rows: nil}}},
+		{"text comment ends token", "decode 0 1#2 3\n", []Frame{{Class: Decode, Layer: 0, Rows: []uint64{1}}}},
 		{"blank and comment lines", "\n# a comment\n   \n\t\r\n#\r\ndecode 3 0 # step 7\n\n",
-			[]Frame{{Decode, 3, []uint64{0}}}},
-		{"comment mentioning E", "# EGH1\ndecode 0 1\n", []Frame{{Decode, 0, []uint64{1}}}},
-		{"binary", bin(Decode, 0, 1, 2, 999), []Frame{{Decode, 0, []uint64{1, 2, 999}}}},
-		{"binary count 0", bin(Prefill, 3), []Frame{{Prefill, 3, nil}}},
-		{"binary large rows", bin(Prefill, 1, math.MaxUint64-1, 1<<40), []Frame{{Prefill, 1, []uint64{math.MaxUint64 - 1, 1 << 40}}}},
+			[]Frame{{Class: Decode, Layer: 3, Rows: []uint64{0}}}},
+		{"comment mentioning E", "# EGH1\ndecode 0 1\n", []Frame{{Class: Decode, Layer: 0, Rows: []uint64{1}}}},
+		{"binary", bin(Decode, 0, 1, 2, 999), []Frame{{Class: Decode, Layer: 0, Rows: []uint64{1, 2, 999}}}},
+		{"binary count 0", bin(Prefill, 3), []Frame{{Class: Prefill, Layer: 3, Rows: nil}}},
+		{"binary large rows", bin(Prefill, 1, math.MaxUint64-1, 1<<40), []Frame{{Class: Prefill, Layer: 1, Rows: []uint64{math.MaxUint64 - 1, 1 << 40}}}},
 		{"binary back to back", bin(Decode, 0, 7) + bin(Prefill, 0) + bin(Prefill, 3, 0),
-			[]Frame{{Decode, 0, []uint64{7}}, {Prefill, 0, nil}, {Prefill, 3, []uint64{0}}}},
+			[]Frame{{Class: Decode, Layer: 0, Rows: []uint64{7}}, {Class: Prefill, Layer: 0, Rows: nil}, {Class: Prefill, Layer: 3, Rows: []uint64{0}}}},
 		{"mixed", "# warm up\n" + bin(Decode, 0, 4, 5) + "prefill 0 6\n" + bin(Prefill, 1, 8) + "decode 3\n",
-			[]Frame{{Decode, 0, []uint64{4, 5}}, {Prefill, 0, []uint64{6}}, {Prefill, 1, []uint64{8}}, {Decode, 3, nil}}},
+			[]Frame{{Class: Decode, Layer: 0, Rows: []uint64{4, 5}}, {Class: Prefill, Layer: 0, Rows: []uint64{6}}, {Class: Prefill, Layer: 1, Rows: []uint64{8}}, {Class: Decode, Layer: 3, Rows: nil}}},
 		{"partial text frame", "decode 0 1 2", nil},
 		{"partial binary frame", bin(Decode, 0, 1, 2)[:20], nil},
 	}
@@ -126,7 +126,7 @@ func TestDecodeValid(t *testing.T) {
 
 func TestDecodeErrors(t *testing.T) {
 	good := "decode 0 1\n"
-	goodFrame := Frame{Decode, 0, []uint64{1}}
+	goodFrame := Frame{Class: Decode, Layer: 0, Rows: []uint64{1}}
 	tests := []struct {
 		name    string
 		in      string
@@ -295,7 +295,7 @@ func TestReset(t *testing.T) {
 		t.Fatalf("Buffered() = %d after Reset", d.Buffered())
 	}
 	frames, err := d.Write([]byte("decode 0 9\n"))
-	if err != nil || !sameFrames(frames, []Frame{{Decode, 0, []uint64{9}}}) {
+	if err != nil || !sameFrames(frames, []Frame{{Class: Decode, Layer: 0, Rows: []uint64{9}}}) {
 		t.Fatalf("after Reset: %v, %v", frames, err)
 	}
 }

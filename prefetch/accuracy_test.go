@@ -174,7 +174,7 @@ func TestDroppedCountedByLayer(t *testing.T) {
 	st.SetLayers(m.Layers)
 	br := blockingReader{release: make(chan struct{})}
 	loader := cache.NewLoader(br, m.Tables, st)
-	cfg := Config{Workers: 1, Pushers: 1, PrefillQueuePages: cache.MaxRunPages, DecodeQueuePages: cache.MaxRunPages}
+	cfg := Config{InflightPages: 1, Pushers: 1, PrefillQueuePages: cache.MaxRunPages, DecodeQueuePages: cache.MaxRunPages}
 	p := New(cfg, m, loader, &countingPusher{}, nil, st, nil)
 	// Scattered rows of layer 1: one page each, far more than the queue holds.
 	var rows []uint64
@@ -212,7 +212,7 @@ func BenchmarkRefaulted(b *testing.B) {
 	for pg := tb.DataPage(); pg < tb.DataPage()+4096; pg++ {
 		pages = append(pages, pg)
 	}
-	p.markHinted(tb.ID, pages)
+	p.markHinted(tb.ID, pages[0], uint64(len(pages)))
 	keys := []cache.PageKey{{Table: tb.ID}}
 	b.ResetTimer()
 	for i := range b.N {

@@ -1,8 +1,14 @@
 // Package prefetch turns hints into resident pages: it queues the pages of
-// hinted rows (decode work before prefill work), fetches them through the
-// shared page loader at the backing queue depth, and pushes them into the
-// kernel page cache through a Pusher, so the gather that follows never leaves
-// memory. It knows nothing of FUSE: fs implements Pusher.
+// hinted rows (each handle's decode work round robin, before any prefill
+// work), hands them to the shared page loader in batches, a bounded number
+// of pages in flight, and pushes them into the kernel page cache through a
+// Pusher, so the gather that follows never leaves memory. It knows nothing
+// of FUSE: fs implements Pusher.
+//
+// The scheduling decisions live in sched.go (a core with no goroutines and
+// no I/O); fetch.go hands claimed work to the loader, push.go stores and
+// settles it. Every page settles exactly once, as resident, pinned, dropped
+// (prefill only) or failed, and every handle waiting for it hears which.
 package prefetch
 
 import (
@@ -20,8 +26,9 @@ import (
 )
 
 // ErrNotLookedUp is what a Pusher returns when the kernel does not know the
-// file's inode yet (NOTIFY_STORE answers ENOENT before the first lookup). No
-// reader can have the page mapped then, so the page is skipped, not failed.
+// file's inode yet (NOTIFY_STORE answers ENOENT before the first lookup).
+// The page is not resident then: it settles as failed. The daemon looks
+// every table file up at mount so that this does not happen.
 var ErrNotLookedUp = errors.New("inode not looked up by the kernel yet")
 
 // Pusher stores data into the page cache of table's file at byte offset off.
@@ -33,9 +40,18 @@ type Pusher interface {
 	Store(table uint32, off int64, data []byte) error
 }
 
-// PageLoader is the shared read-through loader (cache.Loader).
-type PageLoader interface {
-	Load(table uint32, first, n uint64, origin cache.Origin) ([][]byte, error)
+// Confirmer is implemented by Pushers that can make sure a page is in the
+// page cache: a page whose fetch a fault cancelled settles as resident only
+// once Confirm returns nil (reading it through the page cache waits for the
+// fault's reply, or faults it in again). Without one, such a page settles
+// as resident when the fault is reported.
+type Confirmer interface {
+	Confirm(table uint32, off int64) error
+}
+
+// PageFetcher is the shared read-through loader (cache.Loader).
+type PageFetcher interface {
+	Fetch(runs []cache.Run, origin cache.Origin, done cache.FetchDone)
 }
 
 // HotTier is the pinned hot tier, when there is one.
@@ -46,45 +62,57 @@ type HotTier interface {
 
 // Config sizes the prefetcher.
 type Config struct {
-	// Workers is the number of fetches in flight; match the backing queue
-	// depth, so that hints can keep the disk's queue full.
-	Workers int
+	// InflightPages bounds the pages handed to the loader and not yet
+	// answered: about twice the backing queue depth keeps the disk busy,
+	// and a decode hint that arrives behind a prefill flood waits for at
+	// most that much work, not for the queue.
+	InflightPages int
 	// Pushers store fetched pages; a store costs ~2-4 µs a page (measured),
-	// so a few keep up with a disk's IOPS.
+	// so one keeps up with a disk's IOPS on these machines.
 	Pushers int
-	// PrefillQueuePages bounds the queued prefill pages; past it the oldest
-	// prefill work is dropped. Prefill hints are best effort.
+	// PrefillQueuePages bounds the queued prefill pages, all handles
+	// together; past it the oldest prefill work is dropped (counted, and
+	// reported to the handles that asked for it). Prefill is best effort.
 	PrefillQueuePages int
-	// DecodeQueuePages bounds the queued decode pages; past it, hinting
-	// blocks until the workers catch up (decode work is never dropped).
+	// DecodeQueuePages bounds one handle's queued decode pages. Decode work
+	// is never dropped: past the bound the handle's writes are refused with
+	// EAGAIN until the workers catch up (fs checks DecodeBacklog).
 	DecodeQueuePages int
 }
 
 // DefaultConfig is the configuration for a backing queue depth.
 func DefaultConfig(queueDepth int) Config {
-	return Config{Workers: queueDepth, Pushers: 4, PrefillQueuePages: 1 << 18, DecodeQueuePages: 1 << 16}
+	return Config{InflightPages: max(2*queueDepth, 16), Pushers: 1, PrefillQueuePages: 1 << 18, DecodeQueuePages: 1 << 16}
 }
 
 // Prefetcher schedules, fetches and pushes hinted pages.
 type Prefetcher struct {
-	cfg    Config
-	model  *backing.Model
-	loader PageLoader
-	pusher Pusher
-	hot    HotTier // nil: no hot tier
-	st     *stats.Counters
-	log    *zap.Logger
+	cfg       Config
+	model     *backing.Model
+	loader    PageFetcher
+	pusher    Pusher
+	confirmer Confirmer // nil: a fault-cancelled page settles when reported
+	hot       HotTier   // nil: no hot tier
+	st        *stats.Counters
+	log       *zap.Logger
 
-	mu       sync.Mutex
-	work     *sync.Cond                   // signalled when a task is queued or on close
-	room     *sync.Cond                   // signalled when decode queue space frees up
-	decode   taskQueue                    // GUARDED_BY(mu)
-	prefill  taskQueue                    // GUARDED_BY(mu)
-	pages    map[cache.PageKey]*pageState // GUARDED_BY(mu): queued or in-flight pages
-	closed   bool                         // GUARDED_BY(mu)
-	pushes   chan pushJob
-	workers  sync.WaitGroup
-	pushersW sync.WaitGroup
+	mu     sync.Mutex
+	c      *core // GUARDED_BY(mu)
+	closed bool  // GUARDED_BY(mu)
+	idle   *sync.Cond
+
+	prefillTurn chan struct{} // one prefill part admitted at a time
+
+	kick      chan struct{} // wakes the fetch loop: new work, or room in flight
+	quit      chan struct{} // closed by Close: the fetch loop ends
+	fetchDone chan struct{}
+
+	omu      sync.Mutex
+	out      []outcome     // GUARDED_BY(omu): answers for the pushers
+	outReady chan struct{} // signalled when out grows
+	pushQuit chan struct{} // closed by Close once nothing is in flight
+	pushers  sync.WaitGroup
+	pushing  int // GUARDED_BY(mu): batches a pusher took and has not settled
 
 	// Hint accuracy, by table ID.
 	layerOf []*stats.LayerCounters
@@ -99,44 +127,24 @@ type Prefetcher struct {
 // 1 bit per 4 KiB page (3.2 MiB for a 100 GiB table).
 type pageBits struct{ words []atomic.Uint64 }
 
-// pageState is one queued or in-flight page and who waits for it.
-type pageState struct {
-	queued   int  // queued tasks that list this page
-	inflight bool // a worker has claimed it
-	decode   bool // a decode hint asked for it: admit it to the hot tier as decode
-	waiters  []*Barrier
-}
-
-// task is a run of adjacent pages of one table, all asked for by one hint.
-type task struct {
-	table uint32
-	first uint64
-	n     uint64
-}
-
-type pushJob struct {
-	table uint32
-	first uint64
-	pages [][]byte
-	err   error
-}
-
-// New starts the prefetcher's workers and pushers.
-func New(cfg Config, model *backing.Model, loader PageLoader, pusher Pusher, hot HotTier, st *stats.Counters, log *zap.Logger) *Prefetcher {
-	cfg.Workers = max(cfg.Workers, 1)
+// New starts the prefetcher's fetch loop and pushers.
+func New(cfg Config, model *backing.Model, loader PageFetcher, pusher Pusher, hot HotTier, st *stats.Counters, log *zap.Logger) *Prefetcher {
+	cfg.InflightPages = max(cfg.InflightPages, 1)
 	cfg.Pushers = max(cfg.Pushers, 1)
-	cfg.PrefillQueuePages = max(cfg.PrefillQueuePages, cache.MaxRunPages)
+	cfg.PrefillQueuePages = max(cfg.PrefillQueuePages, 1)
 	cfg.DecodeQueuePages = max(cfg.DecodeQueuePages, cache.MaxRunPages)
 	if log == nil {
 		log = zap.NewNop()
 	}
 	p := &Prefetcher{
 		cfg: cfg, model: model, loader: loader, pusher: pusher, hot: hot, st: st, log: log,
-		pages:  map[cache.PageKey]*pageState{},
-		pushes: make(chan pushJob, 2*cfg.Workers),
+		c:    newCore(coreConfig{prefillPages: cfg.PrefillQueuePages}),
+		kick: make(chan struct{}, 1), quit: make(chan struct{}), fetchDone: make(chan struct{}),
+		prefillTurn: make(chan struct{}, 1),
+		outReady:    make(chan struct{}, 1), pushQuit: make(chan struct{}),
 	}
-	p.work = sync.NewCond(&p.mu)
-	p.room = sync.NewCond(&p.mu)
+	p.confirmer, _ = pusher.(Confirmer)
+	p.idle = sync.NewCond(&p.mu)
 	p.hinted = make([]atomic.Pointer[pageBits], len(model.Tables))
 	p.layerOf = make([]*stats.LayerCounters, len(model.Tables))
 	for i, t := range model.Tables {
@@ -144,369 +152,246 @@ func New(cfg Config, model *backing.Model, loader PageLoader, pusher Pusher, hot
 			p.layerOf[i] = &stats.LayerCounters{} // not reported
 		}
 	}
-	for range cfg.Workers {
-		p.workers.Add(1)
-		go p.worker()
+	p.c.onDrop = func(table uint32, first, n uint64) {
+		p.layerOf[table].Dropped.Add(n)
+		for pg := first; pg < first+n; pg++ {
+			p.clearHinted(cache.PageKey{Table: table, Page: pg}) // never pushed: a later fault is not the hint's miss
+		}
 	}
+	go p.fetchLoop()
 	for range cfg.Pushers {
-		p.pushersW.Add(1)
+		p.pushers.Add(1)
 		go p.pushLoop()
 	}
 	return p
 }
 
-// Submit queues the pages that hold rows in every table of layer, on behalf
-// of the control handle whose barrier is b. Rows must be in range (the hint
-// decoder checked them). Pages already pinned cost nothing; pages already
-// queued or in flight are not fetched twice, b just waits for them too.
-// A decode submit may block while the decode queue is full.
+// Config is the configuration in effect.
+func (p *Prefetcher) Config() Config { return p.cfg }
+
+// Submit queues a whole frame: the pages that hold rows in every table of
+// layer, on behalf of b. Rows must be in range (the hint decoder checked
+// them); Submit sorts them in place. It never blocks on I/O or on queue room.
 func (p *Prefetcher) Submit(class hints.Class, layer int, rows []uint64, b *Barrier) {
-	for _, t := range p.model.LayerTables(layer) {
-		p.submitTable(class, t, rows, b)
-	}
+	p.SubmitPart(b, class, layer, rows, true)
 }
 
-func (p *Prefetcher) submitTable(class hints.Class, t *backing.Table, rows []uint64, b *Barrier) {
-	pages := make([]uint64, 0, len(rows))
+// SubmitPart queues part of a frame (the rows that one write delivered);
+// frameEnd says the frame is complete. Rows are deduplicated before they
+// become pages, pages become runs of adjacent pages, and pages already
+// pinned cost nothing but a count; pages already queued or in flight are not
+// fetched twice, b just waits for them too.
+func (p *Prefetcher) SubmitPart(b *Barrier, class hints.Class, layer int, rows []uint64, frameEnd bool) {
+	if class == hints.Prefill {
+		// One prefill part is admitted at a time, all handles together: on
+		// a two-core node, four handles flooding prefill frames otherwise
+		// keep both cores admitting, and a decode step (its write, the
+		// fetch loop, the pushers) waits for CPU behind them (measured:
+		// 155 ms against 15 ms alone). Decode parts never wait here.
+		p.prefillTurn <- struct{}{}
+		defer func() { <-p.prefillTurn }()
+	}
+	slices.Sort(rows)
+	rows = slices.Compact(rows)
+	var runs []pageRun
+	for _, t := range p.model.LayerTables(layer) {
+		runs = appendRowRuns(runs, t, rows)
+	}
+	p.submitRuns(b, runs, class == hints.Decode, class == hints.Decode, signalOf(class), frameEnd)
+}
+
+// SubmitPages queues pages as prefill work (best effort, behind every decode
+// hint; dropped oldest first when the prefill queue is full) that is offered
+// to the hot tier with sig once resident. Pages already pinned are skipped.
+// It is how a warm restart fetches the saved hot set: with
+// cache.SignalDecode the pages are admitted as decode work would be, so
+// they end up pinned again.
+func (p *Prefetcher) SubmitPages(keys []cache.PageKey, sig cache.Signal, b *Barrier) {
+	var valid []cache.PageKey
+	for _, k := range keys {
+		if t := p.table(k.Table); t != nil && k.Page >= t.DataPage() && k.Page < t.Pages() {
+			valid = append(valid, k)
+		}
+	}
+	slices.SortFunc(valid, func(a, b cache.PageKey) int {
+		if a.Table != b.Table {
+			return int(a.Table) - int(b.Table)
+		}
+		return compareU64(a.Page, b.Page)
+	})
+	valid = slices.Compact(valid)
+	var runs []pageRun
+	for _, k := range valid {
+		if n := len(runs); n > 0 && runs[n-1].table == k.Table && runs[n-1].first+runs[n-1].n == k.Page {
+			runs[n-1].n++
+			continue
+		}
+		runs = append(runs, pageRun{table: k.Table, first: k.Page, n: 1})
+	}
+	p.submitRuns(b, runs, false, sig == cache.SignalDecode, sig, true)
+}
+
+func compareU64(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// appendRowRuns appends the runs of file pages of t that hold the sorted,
+// unique rows: adjacent and shared pages merge, so a frame costs a run per
+// stretch of pages, not an entry per row.
+func appendRowRuns(runs []pageRun, t *backing.Table, rows []uint64) []pageRun {
+	start := len(runs)
 	for _, r := range rows {
 		if r >= t.Rows {
 			continue
 		}
 		first, last := t.RowPages(r)
-		for pg := first; pg <= last; pg++ {
-			pages = append(pages, pg)
+		if n := len(runs); n > start {
+			cur := &runs[n-1]
+			if end := cur.first + cur.n; first <= end {
+				if last >= end {
+					cur.n = last + 1 - cur.first
+				}
+				continue
+			}
 		}
+		runs = append(runs, pageRun{table: t.ID, first: first, n: last + 1 - first})
 	}
-	slices.Sort(pages)
-	pages = slices.Compact(pages)
+	return runs
+}
 
-	// Pinned pages are resident already: no I/O, no store, nothing to wait
-	// for; the tier only hears that they were asked for again.
+// submitRuns takes out the pinned pages, then admits the rest.
+func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode bool, sig cache.Signal, frameEnd bool) {
+	var pinned uint64
 	if p.hot != nil {
 		var hits []cache.PageKey
-		pages = slices.DeleteFunc(pages, func(pg uint64) bool {
-			k := cache.PageKey{Table: t.ID, Page: pg}
-			if p.hot.Pinned(k) {
+		kept := runs[:0:0]
+		for _, r := range runs {
+			start := r.first
+			for pg := r.first; pg < r.first+r.n; pg++ {
+				k := cache.PageKey{Table: r.table, Page: pg}
+				if !p.hot.Pinned(k) {
+					continue
+				}
 				hits = append(hits, k)
-				return true
+				if pg > start {
+					kept = append(kept, pageRun{table: r.table, first: start, n: pg - start})
+				}
+				start = pg + 1
 			}
-			return false
-		})
+			if end := r.first + r.n; end > start {
+				kept = append(kept, pageRun{table: r.table, first: start, n: end - start})
+			}
+		}
+		runs = kept
+		pinned = uint64(len(hits))
 		if len(hits) > 0 {
-			p.hot.Admit(hits, signalOf(class))
+			p.hot.Admit(hits, sig)
 		}
 	}
-	p.enqueue(class, class == hints.Decode, t.ID, pages, b)
+	for _, r := range runs {
+		p.markHinted(r.table, r.first, r.n)
+	}
+
+	// Admit a slice of pages per hold of p.mu: a prefill part names tens of
+	// thousands of pages, and a decode step, a fault or the loops must not
+	// wait behind all of them (measured: four handles flooding 4M-row
+	// frames held one lock nearly all the time).
+	p.mu.Lock()
+	b.p.CompareAndSwap(nil, p)
+	seq := p.c.submission(b)
+	p.c.pinned(b, pinned)
+	for len(runs) > 0 {
+		var slice []pageRun
+		slice, runs = splitRuns(runs, admitSlice)
+		if p.closed {
+			for _, r := range slice {
+				b.status.Pages += r.n
+				b.status.Failed += r.n
+			}
+		} else {
+			p.c.admit(b, seq, slice, decode, admitDecode)
+		}
+		if len(runs) > 0 {
+			p.publishLocked()
+			p.mu.Unlock()
+			p.wakeFetch()
+			p.mu.Lock()
+		}
+	}
+	p.c.endSubmission(b, seq, frameEnd)
+	p.publishLocked()
+	p.mu.Unlock()
+	p.wakeFetch()
 }
 
-// SubmitPages queues pages as prefill work (best effort, behind every decode
-// hint; dropped oldest first when the prefill queue is full) that is offered
-// to the hot tier with sig once resident. Pages already pinned are skipped
-// and not waited for. It is how a warm restart fetches the saved hot set:
-// with cache.SignalDecode the pages are admitted as decode work would be,
-// so they end up pinned again.
-func (p *Prefetcher) SubmitPages(keys []cache.PageKey, sig cache.Signal, b *Barrier) {
-	byTable := map[uint32][]uint64{}
-	for _, k := range keys {
-		t := p.loaderTable(k.Table)
-		if t == nil || k.Page < t.DataPage() || k.Page >= t.Pages() {
-			continue
+// admitSlice is how many pages submitRuns admits per hold of p.mu.
+const admitSlice = 1024
+
+// splitRuns cuts the first n pages off runs.
+func splitRuns(runs []pageRun, n uint64) (head, rest []pageRun) {
+	for i, r := range runs {
+		if r.n >= n {
+			if r.n == n {
+				return runs[:i+1], runs[i+1:]
+			}
+			head = append(runs[:i:i], pageRun{table: r.table, first: r.first, n: n})
+			rest = append([]pageRun{{table: r.table, first: r.first + n, n: r.n - n}}, runs[i+1:]...)
+			return head, rest
 		}
-		if p.hot != nil && p.hot.Pinned(k) {
-			continue
-		}
-		byTable[k.Table] = append(byTable[k.Table], k.Page)
+		n -= r.n
 	}
-	for table, pages := range byTable {
-		slices.Sort(pages)
-		p.enqueue(hints.Prefill, sig == cache.SignalDecode, table, slices.Compact(pages), b)
+	return runs, nil
+}
+
+// publishLocked moves the core's tallies to the counters.
+//
+// REQUIRES(p.mu)
+func (p *Prefetcher) publishLocked() {
+	if p.c.queued > 0 {
+		p.st.PrefetchPagesQueued.Add(p.c.queued)
+		p.c.queued = 0
+	}
+	if p.c.dropped > 0 {
+		p.st.PrefetchPagesDropped.Add(p.c.dropped)
+		p.c.dropped = 0
 	}
 }
 
-func (p *Prefetcher) loaderTable(id uint32) *backing.Table {
+func (p *Prefetcher) table(id uint32) *backing.Table {
 	if int(id) >= len(p.model.Tables) {
 		return nil
 	}
 	return p.model.Tables[id]
 }
 
-// enqueue queues sorted, unique pages of table on class's queue for b;
-// admitDecode: admit them to the hot tier as decode work once resident.
-func (p *Prefetcher) enqueue(class hints.Class, admitDecode bool, table uint32, pages []uint64, b *Barrier) {
-	if len(pages) == 0 {
-		return
-	}
-	p.markHinted(table, pages)
-	// A prefill chunk names tens of thousands of pages; take the lock a slice
-	// at a time, so that a fault (Queued) or an idle worker never waits
-	// behind a whole frame's bookkeeping.
-	for len(pages) > 0 {
-		n := min(len(pages), enqueueSlice)
-		if !p.enqueueLocked(class, admitDecode, table, pages[:n], b) {
-			return
-		}
-		pages = pages[n:]
-	}
-}
-
-// enqueueSlice is how many pages enqueue handles per hold of p.mu.
-const enqueueSlice = 1024
-
-// enqueueLocked is enqueue for one slice of pages, under p.mu; false once
-// the prefetcher is closed.
-func (p *Prefetcher) enqueueLocked(class hints.Class, admitDecode bool, table uint32, pages []uint64, b *Barrier) bool {
-	q := &p.prefill
-	if class == hints.Decode {
-		q = &p.decode
-	}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.closed {
-		return false
-	}
-	// Only pages not already on their way need a task.
-	fresh := pages[:0]
-	for _, pg := range pages {
-		k := cache.PageKey{Table: table, Page: pg}
-		ps := p.pages[k]
-		if ps == nil {
-			ps = &pageState{}
-			p.pages[k] = ps
-		}
-		ps.waiters = append(ps.waiters, b)
-		if admitDecode {
-			ps.decode = true
-		}
-		// A page queued as prefill gets a decode task too, so it is not
-		// stuck behind prefill work; an in-flight page needs nothing.
-		if !ps.inflight && (ps.queued == 0 || class == hints.Decode) {
-			ps.queued++
-			fresh = append(fresh, pg)
-		}
-	}
-	b.add(len(pages))
-	// Wake the workers once per slice, not once per task: on two cores a
-	// wake-up per page costs more than the scheduling itself (measured: the
-	// per-task Signal halved the rows/s of BenchmarkPrefillFrame).
-	defer p.work.Broadcast()
-	for _, tk := range runs(table, fresh) {
-		if class == hints.Decode {
-			for p.decode.pages+int(tk.n) > p.cfg.DecodeQueuePages && !p.closed {
-				p.work.Broadcast()
-				p.room.Wait()
-			}
-		} else {
-			for p.prefill.pages+int(tk.n) > p.cfg.PrefillQueuePages {
-				p.dropOldestPrefill()
-			}
-		}
-		q.push(tk)
-		p.st.PrefetchPagesQueued.Add(tk.n)
-	}
-	return true
-}
-
-// runs groups sorted pages into tasks of adjacent pages.
-func runs(table uint32, pages []uint64) []task {
-	var out []task
-	for i := 0; i < len(pages); {
-		j := i + 1
-		for j < len(pages) && pages[j] == pages[j-1]+1 && j-i < cache.MaxRunPages {
-			j++
-		}
-		out = append(out, task{table: table, first: pages[i], n: uint64(j - i)})
-		i = j
-	}
-	return out
-}
-
-// dropOldestPrefill drops the oldest queued prefill task. Its pages that no
-// other task still lists are settled without data: their waiters stop
-// waiting (prefill is best effort) and the drop is counted.
-//
-// REQUIRES(p.mu)
-func (p *Prefetcher) dropOldestPrefill() {
-	tk, ok := p.prefill.pop()
-	if !ok {
-		return
-	}
-	for pg := tk.first; pg < tk.first+tk.n; pg++ {
-		k := cache.PageKey{Table: tk.table, Page: pg}
-		ps := p.pages[k]
-		if ps == nil || ps.inflight {
-			continue
-		}
-		ps.queued--
-		if ps.queued > 0 {
-			continue
-		}
-		delete(p.pages, k)
-		p.st.PrefetchPagesDropped.Add(1)
-		p.layerOf[k.Table].Dropped.Add(1)
-		p.clearHinted(k) // never pushed: a later fault is not the hint's miss
-		for _, w := range ps.waiters {
-			w.done(nil)
-		}
-	}
-}
-
-func (p *Prefetcher) worker() {
-	defer p.workers.Done()
-	for {
-		p.mu.Lock()
-		var tk task
-		var ok bool
-		for {
-			if tk, ok = p.decode.pop(); ok {
-				p.room.Broadcast()
-				break
-			}
-			if tk, ok = p.prefill.pop(); ok {
-				break
-			}
-			if p.closed {
-				p.mu.Unlock()
-				return
-			}
-			p.work.Wait()
-		}
-		// Claim the pages nobody has fetched or claimed meanwhile.
-		claimed := make([]bool, tk.n)
-		for i := range claimed {
-			ps := p.pages[cache.PageKey{Table: tk.table, Page: tk.first + uint64(i)}]
-			if ps != nil && !ps.inflight {
-				ps.inflight, claimed[i] = true, true
-			}
-		}
-		p.mu.Unlock()
-
-		for i := 0; i < len(claimed); {
-			if !claimed[i] {
-				i++
-				continue
-			}
-			j := i + 1
-			for j < len(claimed) && claimed[j] {
-				j++
-			}
-			first := tk.first + uint64(i)
-			pages, err := p.loader.Load(tk.table, first, uint64(j-i), cache.OriginPrefetch)
-			p.dispatch(tk.table, first, pages, err)
-			i = j
-		}
-	}
-}
-
-// dispatch hands the pages that loaded to the pushers, in runs of adjacent
-// pages, and settles the failed ones: one bad page fails only itself.
-func (p *Prefetcher) dispatch(table uint32, first uint64, pages [][]byte, err error) {
-	for i := 0; i < len(pages); {
-		j := i + 1
-		for j < len(pages) && (pages[j] == nil) == (pages[i] == nil) {
-			j++
-		}
-		if pages[i] == nil {
-			p.settle(table, first+uint64(i), uint64(j-i), err)
-		} else {
-			p.pushes <- pushJob{table: table, first: first + uint64(i), pages: pages[i:j]}
-		}
-		i = j
-	}
-}
-
-// pushLoop stores fetched runs into the page cache: one store per run of
-// adjacent pages (merging saves a notify round trip per page).
-func (p *Prefetcher) pushLoop() {
-	defer p.pushersW.Done()
-	var buf []byte
-	for job := range p.pushes {
-		data := job.pages[0]
-		if len(job.pages) > 1 {
-			buf = buf[:0]
-			for _, pg := range job.pages {
-				buf = append(buf, pg...)
-			}
-			data = buf
-		}
-		off := int64(job.first) * cache.PageSize
-		err := p.pusher.Store(job.table, off, data)
-		n := uint64(len(job.pages))
-		switch {
-		case err == nil:
-			p.st.PrefetchPagesStored.Add(n)
-			p.layerOf[job.table].Pushed.Add(n)
-		case errors.Is(err, ErrNotLookedUp):
-			p.st.PrefetchStoreErrors.Add(n)
-			err = nil
-		default:
-			p.st.PrefetchStoreErrors.Add(n)
-			p.log.Warn("page cache store failed", zap.Uint32("table", job.table), zap.Int64("offset", off), zap.Error(err))
-		}
-		p.settle(job.table, job.first, n, err)
-	}
-}
-
-// settle completes pages [first, first+n) of table: their waiters are told,
-// and stored pages are offered to the hot tier.
-func (p *Prefetcher) settle(table uint32, first, n uint64, err error) {
-	var decodeKeys, prefillKeys []cache.PageKey
-	var waiters []*Barrier
-	p.mu.Lock()
-	for pg := first; pg < first+n; pg++ {
-		k := cache.PageKey{Table: table, Page: pg}
-		ps := p.pages[k]
-		if ps == nil {
-			continue
-		}
-		delete(p.pages, k)
-		waiters = append(waiters, ps.waiters...)
-		if ps.decode {
-			decodeKeys = append(decodeKeys, k)
-		} else {
-			prefillKeys = append(prefillKeys, k)
-		}
-	}
-	p.mu.Unlock()
-	// Admit before releasing the waiters: once a barrier returns, the tier
-	// has heard of its pages (a warm restart flushes the tier's pin queue
-	// right after its barrier and counts what is pinned). Admit only
-	// queues work, it never waits.
-	if p.hot != nil && err == nil {
-		if len(decodeKeys) > 0 {
-			p.hot.Admit(decodeKeys, cache.SignalDecode)
-		}
-		if len(prefillKeys) > 0 {
-			p.hot.Admit(prefillKeys, cache.SignalPrefill)
-		}
-	}
-	for _, w := range waiters {
-		w.done(err)
-	}
-}
-
 // ServedByFault tells the prefetcher that a FUSE read is serving keys. A page
 // still waiting in a queue is late: the fault reads it, so the prefetch
-// would read it a second time. Its queued work is cancelled and its waiters
-// released (the page is resident once the read returns); it returns how many
-// pages were late this way. Pages already in flight are counted by the
-// loader, which hands the fault the prefetch's read.
+// would read it a second time. Its fetch is cancelled, and it settles as
+// resident once a pusher has confirmed it in the page cache (the fault's
+// reply reaches the kernel after this call). It returns how many pages were
+// late this way; pages already in flight are counted by the loader, which
+// hands the fault the prefetch's read. It never blocks: it is called from
+// the Read handler.
 func (p *Prefetcher) ServedByFault(keys []cache.PageKey) (late int) {
-	var waiters []*Barrier
 	p.mu.Lock()
-	for _, k := range keys {
-		ps := p.pages[k]
-		if ps == nil || ps.inflight {
-			continue
-		}
-		delete(p.pages, k) // the queued task finds no state and skips the page
-		waiters = append(waiters, ps.waiters...)
-		late++
-	}
+	confirm := p.c.faulted(keys)
 	p.mu.Unlock()
-	for _, w := range waiters {
-		w.done(nil)
+	if len(confirm) == 0 {
+		return 0
 	}
-	return late
+	p.omu.Lock()
+	for _, k := range confirm {
+		p.out = append(p.out, outcome{run: cache.Run{Table: k.Table, First: k.Page, N: 1}, confirm: true})
+	}
+	p.omu.Unlock()
+	p.signalPushers()
+	return len(confirm)
 }
 
 // Refaulted tells the hint accounting that FUSE reads asked for keys: each
@@ -520,9 +405,9 @@ func (p *Prefetcher) Refaulted(keys []cache.PageKey) {
 	}
 }
 
-// markHinted sets the bits of pages of table, allocating the table's bitmap
-// on its first hint.
-func (p *Prefetcher) markHinted(table uint32, pages []uint64) {
+// markHinted sets the bits of pages [first, first+n) of table, allocating
+// the table's bitmap on its first hint.
+func (p *Prefetcher) markHinted(table uint32, first, n uint64) {
 	if int(table) >= len(p.hinted) {
 		return
 	}
@@ -535,7 +420,7 @@ func (p *Prefetcher) markHinted(table uint32, pages []uint64) {
 			bits = fresh
 		}
 	}
-	for _, pg := range pages {
+	for pg := first; pg < first+n; pg++ {
 		if w := pg / 64; w < uint64(len(bits.words)) {
 			bits.words[w].Or(1 << (pg % 64))
 		}
@@ -555,8 +440,8 @@ func (p *Prefetcher) clearHinted(k cache.PageKey) bool {
 	return bits.words[k.Page/64].And(^mask)&mask != 0
 }
 
-// Close stops the workers and pushers. Queued work is dropped and its
-// waiters released; work in flight finishes first.
+// Close stops the prefetcher. Queued work fails (its handles hear it); work
+// in flight finishes first.
 func (p *Prefetcher) Close() {
 	p.mu.Lock()
 	if p.closed {
@@ -564,65 +449,22 @@ func (p *Prefetcher) Close() {
 		return
 	}
 	p.closed = true
-	for {
-		if _, ok := p.decode.pop(); !ok {
-			break
-		}
-	}
-	for p.prefill.pages > 0 {
-		p.dropOldestPrefill()
-	}
-	var orphans []*Barrier
-	for k, ps := range p.pages {
-		if !ps.inflight {
-			orphans = append(orphans, ps.waiters...)
-			delete(p.pages, k)
-		}
-	}
-	p.work.Broadcast()
-	p.room.Broadcast()
+	p.c.drain()
 	p.mu.Unlock()
-	for _, w := range orphans {
-		w.done(errClosed)
+	close(p.quit)
+	<-p.fetchDone
+	p.mu.Lock()
+	for p.c.inflight > 0 || len(p.c.pages) > 0 || p.pushing > 0 {
+		p.idle.Wait()
 	}
-	p.workers.Wait()
-	close(p.pushes)
-	p.pushersW.Wait()
+	p.mu.Unlock()
+	close(p.pushQuit)
+	p.pushers.Wait()
 }
-
-var errClosed = errors.New("prefetcher closed")
 
 func signalOf(c hints.Class) cache.Signal {
 	if c == hints.Decode {
 		return cache.SignalDecode
 	}
 	return cache.SignalPrefill
-}
-
-// taskQueue is a FIFO of tasks that counts its pages.
-type taskQueue struct {
-	tasks []task
-	head  int
-	pages int
-}
-
-func (q *taskQueue) push(t task) {
-	q.tasks = append(q.tasks, t)
-	q.pages += int(t.n)
-}
-
-func (q *taskQueue) pop() (task, bool) {
-	if q.head == len(q.tasks) {
-		return task{}, false
-	}
-	t := q.tasks[q.head]
-	q.head++
-	q.pages -= int(t.n)
-	// Reclaim the consumed prefix once it is half the slice, so a long-lived
-	// queue does not grow without bound.
-	if q.head > 1024 && q.head*2 >= len(q.tasks) {
-		q.tasks = append(q.tasks[:0], q.tasks[q.head:]...)
-		q.head = 0
-	}
-	return t, true
 }

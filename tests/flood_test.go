@@ -6,10 +6,12 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/engramfs/engramfs/hints"
+	"github.com/engramfs/engramfs/hints/client"
 )
 
 // procBytes reads one "Key: N kB" line of /proc/PID/FILE (status,
@@ -110,4 +112,113 @@ func TestPrefillFloodDropsOldestAndDecodeGoesFirst(t *testing.T) {
 	if limit := rss0 + 256<<20; rss > limit {
 		t.Fatalf("daemon RSS grew from %d MiB to %d MiB during the flood", rss0>>20, rss>>20)
 	}
+}
+
+// Decode work is never lost, whatever races it: a prefill flood that keeps
+// the queue dropping, readers faulting the same pages (which cancels their
+// queued fetches), and decode steps that hint rows again. Every decode
+// barrier must find every page it named resident.
+func TestNoDecodePageLostInAFlood(t *testing.T) {
+	spec := geometries()["flash"]
+	spec.Rows = 200000
+	d := Mount(t, Synth(t, spec), "--inject-faults", "latency=2ms", "--queue-depth", "4", "--prefetch-queue", "4096")
+	m := Model(t, d.ModelDir)
+	maps := layerMaps(t, d, m, 0)
+	// The flood, on its own handle: never waited for.
+	flood, err := client.Open(d.Mountpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer flood.Close()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var halt sync.Once
+	stopAll := func() { halt.Do(func() { close(stop); wg.Wait() }) }
+	defer stopAll()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		rng := rand.New(rand.NewPCG(40, 41))
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := flood.Prefill(0, randomRows(rng, 20000, spec.Rows)); err != nil {
+				t.Errorf("flood: %v", err)
+				return
+			}
+		}
+	}()
+	// Readers faulting the rows decode hints, so faults race queued fetches.
+	const hotRows = 4000
+	for i := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(50, uint64(i)))
+			var sum byte // Touch's sink is shared: keep this reader's own
+			defer func() { _ = sum }()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				r := rng.Uint64N(hotRows)
+				for tb, b := range maps {
+					sum += b[len(tb.FileHeader)+int(r)*int(tb.RowBytes)]
+				}
+			}
+		}()
+	}
+
+	h, err := client.Open(d.Mountpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	rng := rand.New(rand.NewPCG(60, 61))
+	var prev []uint64
+	for step := range 40 {
+		rows := randomRows(rng, 72, spec.Rows) // cold
+		if prev != nil {
+			rows = append(rows[:48], prev[:24]...) // hinted again
+		}
+		prev = rows
+		if err := h.Decode(0, rows); err != nil {
+			t.Fatal(err)
+		}
+		// Fault half of them while they wait in the queue: the faults
+		// cancel their fetches, and the barrier must still see them land.
+		touched := make(chan struct{})
+		go func() {
+			defer close(touched)
+			var sum byte
+			for _, r := range rows[:36] {
+				for tb, b := range maps {
+					sum += b[len(tb.FileHeader)+int(r)*int(tb.RowBytes)]
+				}
+			}
+			_ = sum
+		}()
+		st, err := h.Barrier()
+		<-touched
+		if err != nil {
+			t.Fatalf("step %d: %v", step, err)
+		}
+		checkStatus(t, fmt.Sprintf("decode step %d", step), st)
+		for tb, b := range maps {
+			if res, total := rowsResident(t, tb, b, rows); res != total {
+				t.Fatalf("step %d: %s: %d of %d decode pages resident after the barrier (status %+v)", step, tb.Path(), res, total, st)
+			}
+		}
+	}
+	stopAll()
+	s := d.Stats(t)
+	if s.PrefetchPagesDropped == 0 {
+		t.Fatalf("the flood dropped nothing: the test raced nothing (%+v)", s)
+	}
+	t.Logf("dropped %d prefill pages, %d late (faults that cancelled a queued fetch or caught one in flight), %d failed", s.PrefetchPagesDropped, s.PrefetchLate, s.PrefetchPagesFailed)
 }

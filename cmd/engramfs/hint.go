@@ -2,7 +2,9 @@ package main
 
 import (
 	"bufio"
+	"encoding/json"
 	"flag"
+	"fmt"
 	"io"
 	"os"
 	"strconv"
@@ -19,10 +21,15 @@ func init() {
 func runHint(args []string) error {
 	fl := newFlagSet("hint", "MOUNT [--decode] [--no-wait] LAYER [ROW ...]", `
 Asks the mount at MOUNT to fetch ROWs of every table of LAYER into the page
-cache, and (unless --no-wait) waits until they are resident: the command line
-face of .engramfs/control. With no ROW arguments, rows are read from standard
-input, separated by white space. Hints are prefill (best effort, may be
-dropped under load) unless --decode (served first, admitted to the hot tier).`)
+cache: the command line face of .engramfs/control. With no ROW arguments,
+rows are read from standard input, separated by white space. Hints are
+prefill (best effort, may be dropped under load) unless --decode (served
+first, never dropped, admitted to the hot tier).
+
+Unless --no-wait, it then waits on the read barrier (read(2) on its own
+control handle, which holds up no other process's hints), prints the status
+line (pages named, resident, pinned, dropped, failed) and exits 1 if any
+page failed.`)
 	decode := fl.Bool("decode", false, "send a decode hint (this step's rows) instead of a prefill hint")
 	noWait := fl.Bool("no-wait", false, "return once the hint is accepted, without waiting for the rows")
 	pos, err := parseInterspersed(fl, args)
@@ -58,10 +65,15 @@ dropped under load) unless --decode (served first, admitted to the hot tier).`)
 	if err != nil {
 		return err
 	}
-	if !*noWait {
-		return h.Wait()
+	if *noWait {
+		return nil
 	}
-	return nil
+	st, err := h.Barrier()
+	line, jerr := json.Marshal(st)
+	if jerr == nil {
+		fmt.Println(string(line))
+	}
+	return err
 }
 
 // parseRows reads decimal row ids separated by white space.

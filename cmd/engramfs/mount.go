@@ -35,6 +35,7 @@ type mountFlags struct {
 	backingIO    string
 	readEngine   string
 	prefillQueue int
+	decodeQueue  int
 	cacheSize    string
 	injectFaults string
 	metricsAddr  string
@@ -62,6 +63,8 @@ func (f *mountFlags) register(fl interface {
 		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off")
 	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultConfig(1).PrefillQueuePages,
 		"prefill pages queued at most; past it the oldest prefill hints are dropped (decode hints are never dropped)")
+	fl.IntVar(&f.decodeQueue, "decode-queue", prefetch.DefaultConfig(1).DecodeQueuePages,
+		"decode pages one control handle may have queued; past it its next frame is refused with EAGAIN (min 256)")
 	fl.BoolVar(&f.allowOther, "allow-other", false,
 		"let users other than the daemon's read the mount (the control file stays owner-only)")
 	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
@@ -88,7 +91,7 @@ maps a file). The tree:
   model.safetensors.index.json      weight_map: tensor name -> table file
   layers/<L>/<table>.safetensors    one single-tensor safetensors file per table, data page-aligned
   .engramfs/stats                   JSON counters
-  .engramfs/control                 hints: write frames, fsync waits for them (owner only)
+  .engramfs/control                 hints: write frames, read(2) on the handle waits for them (owner only)
 
 MODEL_DIR holds model.safetensors.index.json and its shards, or *.safetensors
 files, in a directory or under an object store prefix s3://bucket/prefix
@@ -176,6 +179,7 @@ type daemon struct {
 	store   *backing.Store
 	engine  ioengine.Engine
 	pf      *prefetch.Prefetcher
+	files   *tableFiles // the daemon's own opens of the table files
 	hot     *cache.HotCache
 	st      *stats.Counters
 	model   *backing.Model
@@ -266,6 +270,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 	pusher := &latePusher{}
 	pcfg := prefetch.DefaultConfig(mf.queueDepth)
 	pcfg.PrefillQueuePages = mf.prefillQueue
+	pcfg.DecodeQueuePages = mf.decodeQueue
 	pf := prefetch.New(pcfg, model, loader, pusher, hot, st, log)
 	srv, err := fs.Mount(mountpoint, fs.Options{
 		Model: model, Loader: loader, Stats: st, Log: log,
@@ -291,6 +296,11 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*
 		_ = d.stop(true)
 		return nil, fmt.Errorf("mount %s: the new mount does not answer: %w", mountpoint, err)
 	}
+	if d.files, err = openTableFiles(srv, len(model.Tables)); err != nil {
+		_ = d.stop(true)
+		return nil, fmt.Errorf("mount %s: %w", mountpoint, err)
+	}
+	pusher.bindFiles(d.files)
 	if mf.stateFile != "" {
 		d.warmKeys = loadWarmState(mf.stateFile, model, tierPages(st), log)
 	}
@@ -400,6 +410,9 @@ func (d *daemon) stop(unmount bool) error {
 		d.warm.Stop()
 	}
 	d.pf.Close()
+	if d.files != nil {
+		d.files.close()
+	}
 	if d.stateFile != "" {
 		d.saveWarmState()
 	}
@@ -428,8 +441,9 @@ func (d *daemon) stop(unmount bool) error {
 
 // latePusher forwards stores to the mount once it exists.
 type latePusher struct {
-	mu  sync.RWMutex
-	srv *fs.Server
+	mu    sync.RWMutex
+	srv   *fs.Server
+	files *tableFiles // tablefiles.go
 }
 
 func (p *latePusher) bind(s *fs.Server) { p.mu.Lock(); p.srv = s; p.mu.Unlock() }

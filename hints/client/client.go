@@ -2,14 +2,22 @@
 //
 // Each call writes binary frames (see package hints) to the mount's
 // .engramfs/control file, one write(2) per frame, so the filesystem can start
-// fetching a frame's rows as soon as it arrives.
+// fetching a frame's rows as soon as it arrives. Barrier and Wait are the
+// read barrier: read(2) on the handle, which blocks this handle only (fsync
+// would also wait, but holds the control file's inode lock, so every other
+// rank's hints would wait behind it).
 package client
 
 import (
+	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
+	"time"
 
 	"github.com/engramfs/engramfs/hints"
 )
@@ -18,10 +26,22 @@ import (
 // a 40K-row prefill chunk (320 KiB), not for a rare 4M-row frame (32 MiB).
 const maxKeptBuf = 1 << 20
 
+// EAGAIN means the handle has more decode work queued than the filesystem
+// holds for one handle; nothing of the frame was taken, so it is sent again,
+// backing off up to maxRetrySleep, for at most retryTimeout.
+const (
+	maxRetrySleep = 10 * time.Millisecond
+	retryTimeout  = time.Minute
+)
+
+// ErrFailed is wrapped by the error of a barrier whose pages failed.
+var ErrFailed = errors.New("hinted pages failed")
+
 // Hinter writes hints to one handle of a mount's control file. It is safe for
 // concurrent use; frames of concurrent calls are never interleaved.
 type Hinter struct {
-	f *os.File
+	f    *os.File
+	path string
 
 	mu  sync.Mutex
 	buf []byte // GUARDED_BY(mu)
@@ -29,11 +49,13 @@ type Hinter struct {
 
 // Open opens the control file of the engramfs mounted at mount.
 func Open(mount string) (*Hinter, error) {
-	f, err := os.OpenFile(filepath.Join(mount, ".engramfs", "control"), os.O_WRONLY, 0)
+	path := filepath.Join(mount, ".engramfs", "control")
+	// Read and write: reading the handle is the barrier.
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
 	if err != nil {
 		return nil, fmt.Errorf("hint open: %w", err)
 	}
-	return &Hinter{f: f}, nil
+	return &Hinter{f: f, path: path}, nil
 }
 
 // Prefill asks for rows of layer that a coming chunk will need. The filesystem
@@ -43,7 +65,7 @@ func (h *Hinter) Prefill(layer int, rows []uint64) error {
 }
 
 // Decode asks for rows of layer that this step needs; they are served before
-// any queued prefill work.
+// any queued prefill work and never dropped.
 func (h *Hinter) Decode(layer int, rows []uint64) error {
 	return h.send(hints.Decode, layer, rows)
 }
@@ -59,7 +81,7 @@ func (h *Hinter) send(c hints.Class, layer int, rows []uint64) error {
 		chunk := rows[:min(len(rows), hints.MaxRowsPerFrame)]
 		rows = rows[len(chunk):]
 		h.buf = hints.AppendBinary(h.buf[:0], c, layer, chunk)
-		if _, err := h.f.Write(h.buf); err != nil {
+		if err := h.writeFrame(h.buf); err != nil {
 			return fmt.Errorf("hint %s layer %d: %w", c, layer, err)
 		}
 	}
@@ -69,13 +91,76 @@ func (h *Hinter) send(c hints.Class, layer int, rows []uint64) error {
 	return nil
 }
 
-// Wait returns once every frame accepted so far on this handle is resident in
-// the page cache; its error wraps EIO if one of them failed.
-func (h *Hinter) Wait() error {
-	if err := h.f.Sync(); err != nil {
-		return fmt.Errorf("hint wait: %w", err)
+// writeFrame writes one frame in one write(2). os.File.Write would send the
+// rest of a short write again, and the filesystem would decode it as a new
+// stream (a short write means it refused part of the frame and reset the
+// stream), so the write is made here.
+func (h *Hinter) writeFrame(frame []byte) error {
+	rc, err := h.f.SyscallConn()
+	if err != nil {
+		return &os.PathError{Op: "write", Path: h.path, Err: os.ErrClosed}
 	}
-	return nil
+	sleep, deadline := 50*time.Microsecond, time.Time{}
+	for {
+		var n int
+		var werr error
+		if err := rc.Write(func(fd uintptr) bool {
+			for {
+				n, werr = syscall.Write(int(fd), frame)
+				if werr != syscall.EINTR {
+					return true
+				}
+			}
+		}); err != nil {
+			// The only failure of RawConn.Write: the file was closed.
+			return &os.PathError{Op: "write", Path: h.path, Err: os.ErrClosed}
+		}
+		switch {
+		case werr == syscall.EAGAIN:
+			if deadline.IsZero() {
+				deadline = time.Now().Add(retryTimeout)
+			} else if time.Now().After(deadline) {
+				return &os.PathError{Op: "write", Path: h.path, Err: werr}
+			}
+			time.Sleep(sleep)
+			sleep = min(2*sleep, maxRetrySleep)
+			continue
+		case werr != nil:
+			return &os.PathError{Op: "write", Path: h.path, Err: werr}
+		case n != len(frame):
+			return &os.PathError{Op: "write", Path: h.path,
+				Err: fmt.Errorf("short write: %d of %d bytes of a frame taken: %w", n, len(frame), syscall.EIO)}
+		}
+		return nil
+	}
+}
+
+// Barrier returns once every frame accepted so far on this handle has
+// settled, with the counts since the previous barrier. Its error wraps
+// ErrFailed if pages failed (the status is returned too).
+func (h *Hinter) Barrier() (hints.Status, error) {
+	var st hints.Status
+	buf := make([]byte, 4096)
+	n, err := h.f.Read(buf) // EINTR is retried by os.File
+	switch {
+	case errors.Is(err, io.EOF) || (err == nil && n == 0):
+		return st, nil // nothing sent since the previous barrier
+	case err != nil:
+		return st, fmt.Errorf("hint barrier: %w", err)
+	}
+	if err := json.Unmarshal(buf[:n], &st); err != nil {
+		return st, fmt.Errorf("hint barrier: status line %q: %w", buf[:n], err)
+	}
+	if st.Failed > 0 {
+		return st, fmt.Errorf("hint barrier: %d of %d pages: %w", st.Failed, st.Pages, ErrFailed)
+	}
+	return st, nil
+}
+
+// Wait is Barrier without the counts.
+func (h *Hinter) Wait() error {
+	_, err := h.Barrier()
+	return err
 }
 
 // Close closes the control handle.

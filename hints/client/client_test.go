@@ -209,3 +209,64 @@ with eh.Hinter(sys.argv[1]) as h:
 		t.Fatalf("decoded %v, want %v", got, want)
 	}
 }
+
+// A status line read back from the handle is the barrier's answer; a failed
+// page is an error that still carries the counts.
+func TestBarrierParsesTheStatusLine(t *testing.T) {
+	mount, control := fakeMount(t)
+	if err := os.WriteFile(control, []byte(`{"frames":2,"pages":9,"resident":7,"pinned":1,"dropped":0,"failed":1}`+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h, err := Open(mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	st, err := h.Barrier()
+	if !errors.Is(err, ErrFailed) || st.Pages != 9 || st.Resident != 7 || st.Failed != 1 {
+		t.Fatalf("Barrier: %+v, %v", st, err)
+	}
+	// Nothing more to read: nothing pending.
+	if st, err := h.Barrier(); err != nil || st != (hints.Status{}) {
+		t.Fatalf("idle Barrier: %+v, %v", st, err)
+	}
+}
+
+// The Python client installs with pip from the repository into a fresh venv
+// (Debian's python3-venv and python3-setuptools, no package index: CI runs
+// the same) and imports from there, not from the source tree.
+func TestPythonClientPipInstalls(t *testing.T) {
+	const python = "/usr/bin/python3"
+	if err := exec.Command(python, "-c", "import venv, ensurepip, setuptools").Run(); err != nil {
+		if os.Getenv("ENGRAMFS_REQUIRE_FUSE") == "1" {
+			t.Fatalf("%s needs venv, ensurepip and setuptools (Debian: python3-venv python3-setuptools): %v", python, err)
+		}
+		t.Skipf("%s needs venv, ensurepip and setuptools: %v", python, err)
+	}
+	venv := filepath.Join(t.TempDir(), "venv")
+	if out, err := exec.Command(python, "-m", "venv", "--system-site-packages", venv).CombinedOutput(); err != nil {
+		t.Fatalf("venv: %v\n%s", err, out)
+	}
+	src, err := filepath.Abs(filepath.Join("..", "python"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Build from a copy: an in-tree build leaves build/ and *.egg-info behind.
+	work := filepath.Join(t.TempDir(), "python")
+	if out, err := exec.Command("cp", "-r", src, work).CombinedOutput(); err != nil {
+		t.Fatalf("cp: %v\n%s", err, out)
+	}
+	pip := exec.Command(filepath.Join(venv, "bin", "pip"), "install", "--no-index", "--no-build-isolation", "--disable-pip-version-check", work)
+	pip.Env = append(os.Environ(), "PIP_NO_CACHE_DIR=1")
+	if out, err := pip.CombinedOutput(); err != nil {
+		t.Fatalf("pip install: %v\n%s", err, out)
+	}
+	check := exec.Command(filepath.Join(venv, "bin", "python"), "-c",
+		"import engramfs_hints, sys; assert '/site-packages/' in engramfs_hints.__file__, engramfs_hints.__file__; print(engramfs_hints.__file__)")
+	check.Dir = t.TempDir()
+	out, err := check.CombinedOutput()
+	if err != nil {
+		t.Fatalf("import from the venv: %v\n%s", err, out)
+	}
+	t.Logf("installed: %s", out)
+}

@@ -15,6 +15,8 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engramfs_hints as eh  # noqa: E402
 
+real_writev = os.writev
+
 try:
     import numpy
 except ImportError:
@@ -70,10 +72,10 @@ class HinterTest(unittest.TestCase):
 
     def test_split_into_frames_one_write_each(self):
         with mock.patch.object(eh, 'MAX_ROWS_PER_FRAME', 3), \
-                mock.patch.object(eh.os, 'write', wraps=os.write) as write, \
+                mock.patch.object(eh.os, 'writev', wraps=os.writev) as writev, \
                 eh.Hinter(self.mount) as h:
             h.prefill(4, range(7))
-        self.assertEqual(write.call_count, 3)
+        self.assertEqual(writev.call_count, 3)
         self.assertEqual(self.written(),
                          frame(0, 4, [0, 1, 2]) + frame(0, 4, [3, 4, 5]) + frame(0, 4, [6]))
 
@@ -94,7 +96,7 @@ class HinterTest(unittest.TestCase):
     def test_bad_arguments_write_nothing(self):
         with eh.Hinter(self.mount) as h:
             for layer in (-1, 65536, 1.0):
-                with self.assertRaisesRegex(ValueError, 'layer out of range'):
+                with self.assertRaisesRegex(ValueError, 'layer out of range|layer must be an integer'):
                     h.decode(layer, [1])
             with self.assertRaises(OverflowError):
                 h.decode(0, [-1])
@@ -112,6 +114,77 @@ class HinterTest(unittest.TestCase):
             h.decode(0, [1])
         with self.assertRaisesRegex(ValueError, 'closed'):
             h.wait()
+
+    def test_short_write_is_an_error(self):
+        with mock.patch.object(eh.os, 'writev', side_effect=lambda fd, bufs: 5), \
+                eh.Hinter(self.mount) as h:
+            with self.assertRaisesRegex(OSError, 'short write') as cm:
+                h.decode(0, [1, 2])
+        self.assertEqual(cm.exception.errno, errno.EIO)
+
+    def test_eagain_sends_the_frame_again(self):
+        calls = []
+
+        def writev(fd, bufs):
+            calls.append(b''.join(bytes(b) for b in bufs))
+            if len(calls) < 3:
+                raise BlockingIOError(errno.EAGAIN, 'full')
+            return real_writev(fd, bufs)
+        with mock.patch.object(eh.os, 'writev', side_effect=writev), eh.Hinter(self.mount) as h:
+            h.decode(2, [7])
+        self.assertEqual(calls, [frame(1, 2, [7])] * 3)
+        self.assertEqual(self.written(), frame(1, 2, [7]))
+
+    def test_one_writev_per_frame_no_copy_of_u64_rows(self):
+        rows = array('Q', [1, 2, 3])
+        seen = []
+
+        def writev(fd, bufs):
+            seen.append(bufs)
+            return real_writev(fd, bufs)
+        with mock.patch.object(eh.os, 'writev', side_effect=writev), eh.Hinter(self.mount) as h:
+            h.prefill(1, rows)
+        self.assertEqual(len(seen), 1)
+        self.assertEqual(seen[0][1].obj, rows)  # a view of the caller's rows
+        self.assertEqual(self.written(), frame(0, 1, [1, 2, 3]))
+
+    @unittest.skipIf(numpy is None, 'numpy is not installed')
+    def test_numpy_integer_layer(self):
+        with eh.Hinter(self.mount) as h:
+            h.decode(numpy.int64(3), numpy.array([4], dtype=numpy.int32))
+        self.assertEqual(self.written(), frame(1, 3, [4]))
+
+    def test_wait_returns_the_status_line(self):
+        with eh.Hinter(self.mount) as h:
+            self.assertEqual(h.wait()['pages'], 0)  # nothing to read: idle
+            line = b'{"frames":1,"pages":4,"resident":3,"pinned":1,"dropped":0,"failed":0}\n'
+            with mock.patch.object(eh.os, 'read', return_value=line):
+                self.assertEqual(h.wait()['resident'], 3)
+            with mock.patch.object(eh.os, 'read', return_value=line.replace(b'"failed":0', b'"failed":2')):
+                with self.assertRaises(eh.HintFailed) as cm:
+                    h.wait()
+            self.assertEqual(cm.exception.errno, errno.EIO)
+            self.assertEqual(cm.exception.status['failed'], 2)
+
+    @unittest.skipUnless(hasattr(os, 'fork'), 'needs fork')
+    def test_child_opens_its_own_handle(self):
+        h = eh.Hinter(self.mount)
+        parent_fd = h._fd
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            try:
+                h.decode(0, [1])
+                os.write(w, b'%d' % (h._pid == os.getpid()))
+            finally:
+                os._exit(0)
+        os.close(w)
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual(os.read(r, 10), b'1')
+        os.close(r)
+        self.assertEqual(h._fd, parent_fd)
+        h.decode(0, [2])  # the parent's handle still works
+        h.close()
 
     def test_missing_control(self):
         with tempfile.TemporaryDirectory() as empty:

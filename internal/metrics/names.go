@@ -57,12 +57,14 @@ var statMetrics = map[string]statMetric{
 	"hint_frames":   {"hint_frames_total", counter, "Hint frames accepted on the control file."},
 	"hint_rows":     {"hint_rows_total", counter, "Rows named by accepted hint frames."},
 	"hint_rejected": {"hint_rejected_total", counter, "Hint frames refused with EINVAL."},
+	"hint_refused":  {"hint_refused_total", counter, "Hint writes refused with EAGAIN because the handle's decode backlog was full."},
 
 	"prefetch_pages_queued":  {"prefetch_pages_queued_total", counter, "Pages queued for prefetch by hints and warm restart."},
 	"prefetch_pages_stored":  {"prefetch_pages_stored_total", counter, "Pages pushed into the page cache (NOTIFY_STORE)."},
 	"prefetch_pages_dropped": {"prefetch_pages_dropped_total", counter, "Prefill pages dropped because the prefill queue was full."},
 	"prefetch_store_errors":  {"prefetch_store_errors_total", counter, "Page cache stores that failed (ENOENT included: no reader had looked the file up yet)."},
 	"prefetch_late":          {"prefetch_late_total", counter, "FUSE reads of a page whose prefetch was still queued or in flight."},
+	"prefetch_pages_failed":  {"prefetch_pages_failed_total", counter, "Hinted pages that settled as failed (backing read or page cache store failed)."},
 
 	"warm_pages_total": {"warm_pages", gauge, "Pages of the saved hot set that the warm restart fetches again."},
 	"warm_pages_done":  {"warm_pages_done", gauge, "Pages of the warm restart settled so far (resident, failed or dropped)."},

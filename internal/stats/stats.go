@@ -50,6 +50,7 @@ type Counters struct {
 	HintFrames   atomic.Uint64 // frames accepted
 	HintRows     atomic.Uint64 // rows named by accepted frames
 	HintRejected atomic.Uint64 // frames refused with EINVAL
+	HintRefused  atomic.Uint64 // writes refused with EAGAIN: the handle's decode backlog was full
 
 	// Prefetch (prefetch).
 	PrefetchPagesQueued  atomic.Uint64 // pages put on a queue
@@ -57,6 +58,7 @@ type Counters struct {
 	PrefetchPagesDropped atomic.Uint64 // prefill pages dropped because the queue was full
 	PrefetchStoreErrors  atomic.Uint64 // stores that failed (ENOENT included: inode not yet looked up)
 	PrefetchLate         atomic.Uint64 // FUSE reads of a page whose prefetch was queued or in flight
+	PrefetchPagesFailed  atomic.Uint64 // hinted pages that settled as failed (read or store failed)
 
 	// Warm restart (internal/warm): pages of the saved hot set to fetch
 	// again, and how many of them are settled (resident, failed or dropped).
@@ -143,12 +145,14 @@ type Snapshot struct {
 	HintFrames   uint64 `json:"hint_frames"`
 	HintRows     uint64 `json:"hint_rows"`
 	HintRejected uint64 `json:"hint_rejected"`
+	HintRefused  uint64 `json:"hint_refused"`
 
 	PrefetchPagesQueued  uint64 `json:"prefetch_pages_queued"`
 	PrefetchPagesStored  uint64 `json:"prefetch_pages_stored"`
 	PrefetchPagesDropped uint64 `json:"prefetch_pages_dropped"`
 	PrefetchStoreErrors  uint64 `json:"prefetch_store_errors"`
 	PrefetchLate         uint64 `json:"prefetch_late"`
+	PrefetchPagesFailed  uint64 `json:"prefetch_pages_failed"`
 
 	WarmPagesTotal uint64 `json:"warm_pages_total"`
 	WarmPagesDone  uint64 `json:"warm_pages_done"`
@@ -195,12 +199,14 @@ func (c *Counters) Snapshot() Snapshot {
 		HintFrames:   c.HintFrames.Load(),
 		HintRows:     c.HintRows.Load(),
 		HintRejected: c.HintRejected.Load(),
+		HintRefused:  c.HintRefused.Load(),
 
 		PrefetchPagesQueued:  c.PrefetchPagesQueued.Load(),
 		PrefetchPagesStored:  c.PrefetchPagesStored.Load(),
 		PrefetchPagesDropped: c.PrefetchPagesDropped.Load(),
 		PrefetchStoreErrors:  c.PrefetchStoreErrors.Load(),
 		PrefetchLate:         c.PrefetchLate.Load(),
+		PrefetchPagesFailed:  c.PrefetchPagesFailed.Load(),
 
 		WarmPagesTotal: c.WarmPagesTotal.Load(),
 		WarmPagesDone:  c.WarmPagesDone.Load(),

@@ -1,0 +1,57 @@
+package prefetch
+
+import (
+	"github.com/engramfs/engramfs/cache"
+)
+
+// The fetch loop: it claims work from the core while the in-flight budget
+// allows and hands it to the loader in one batch per claim (a decode frame's
+// pages, a slice of a prefill chunk), so the read engine submits them
+// together instead of a goroutine blocking per run. It never waits for a
+// read: the loader answers through fetched, from its completion goroutine.
+
+// wakeFetch tells the fetch loop that there may be work or room.
+func (p *Prefetcher) wakeFetch() {
+	select {
+	case p.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (p *Prefetcher) fetchLoop() {
+	defer close(p.fetchDone)
+	for {
+		select {
+		case <-p.kick:
+		case <-p.quit:
+			return
+		}
+		for {
+			p.mu.Lock()
+			var runs []cache.Run
+			if !p.closed {
+				runs = p.c.next(p.cfg.InflightPages - p.c.inflight)
+			}
+			p.mu.Unlock()
+			if len(runs) == 0 {
+				break
+			}
+			p.loader.Fetch(runs, cache.OriginPrefetch, p.fetched)
+		}
+	}
+}
+
+// fetched receives the loader's answer for part of a claimed run. It runs
+// on the read engine's completion goroutine (or inside Fetch) and must not
+// block: it returns the budget, queues the answer for the pushers and
+// wakes both loops.
+func (p *Prefetcher) fetched(r cache.Run, pages [][]byte, err error) {
+	p.mu.Lock()
+	p.c.answered(r.N)
+	p.mu.Unlock()
+	p.omu.Lock()
+	p.out = append(p.out, outcome{run: r, pages: pages, err: err})
+	p.omu.Unlock()
+	p.signalPushers()
+	p.wakeFetch()
+}

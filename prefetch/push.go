@@ -1,0 +1,190 @@
+package prefetch
+
+import (
+	"errors"
+	"slices"
+
+	"go.uber.org/zap"
+
+	"github.com/engramfs/engramfs/cache"
+)
+
+// The pushers: they take every answer waiting, store the fetched pages into
+// the page cache (adjacent pages in one store: merging saves a notify round
+// trip per page), confirm the pages a fault cancelled, and settle them all.
+// They hold no lock while storing: a store waits for the folio lock of a
+// page a FUSE read is serving, and that read must be able to finish
+// (design.md, DEADLOCK).
+
+// outcome is one answer for the pushers.
+type outcome struct {
+	run     cache.Run
+	pages   [][]byte // fetched data; nil with err
+	err     error
+	confirm bool // a fault cancelled the fetch: confirm the page resident
+}
+
+// maxStorePages caps one merged store (1 MiB, as a backing read).
+const maxStorePages = cache.MaxRunPages
+
+// settled is a run's outcome, ready for the core.
+type settled struct {
+	run cache.Run
+	o   Outcome
+}
+
+func (p *Prefetcher) signalPushers() {
+	select {
+	case p.outReady <- struct{}{}:
+	default:
+	}
+}
+
+func (p *Prefetcher) pushLoop() {
+	defer p.pushers.Done()
+	var buf []byte
+	for {
+		p.omu.Lock()
+		batch := p.out
+		p.out = nil
+		p.omu.Unlock()
+		if len(batch) == 0 {
+			select {
+			case <-p.outReady:
+				continue
+			case <-p.pushQuit:
+				p.omu.Lock()
+				empty := len(p.out) == 0
+				p.omu.Unlock()
+				if empty {
+					return
+				}
+				continue
+			}
+		}
+		p.mu.Lock()
+		p.pushing++
+		p.mu.Unlock()
+		buf = p.push(batch, buf)
+		p.mu.Lock()
+		p.pushing--
+		p.idle.Broadcast()
+		p.mu.Unlock()
+	}
+}
+
+// push stores, confirms and settles one batch of answers.
+func (p *Prefetcher) push(batch []outcome, buf []byte) []byte {
+	slices.SortFunc(batch, func(a, b outcome) int {
+		if a.run.Table != b.run.Table {
+			return int(a.run.Table) - int(b.run.Table)
+		}
+		return compareU64(a.run.First, b.run.First)
+	})
+	var done []settled
+	for i := 0; i < len(batch); {
+		o := batch[i]
+		switch {
+		case o.confirm:
+			done = append(done, settled{o.run, p.confirm(o.run)})
+			i++
+			continue
+		case o.err != nil:
+			p.st.PrefetchPagesFailed.Add(o.run.N)
+			done = append(done, settled{o.run, Failed})
+			i++
+			continue
+		}
+		// Merge the answers that continue this one.
+		j, n := i+1, o.run.N
+		for j < len(batch) && !batch[j].confirm && batch[j].err == nil && batch[j].run.Table == o.run.Table &&
+			batch[j].run.First == o.run.First+n && n+batch[j].run.N <= maxStorePages {
+			n += batch[j].run.N
+			j++
+		}
+		data := o.pages[0]
+		if n > 1 {
+			buf = buf[:0]
+			for _, b := range batch[i:j] {
+				for _, pg := range b.pages {
+					buf = append(buf, pg...)
+				}
+			}
+			data = buf
+		}
+		r := cache.Run{Table: o.run.Table, First: o.run.First, N: n}
+		done = append(done, settled{r, p.store(r, data)})
+		i = j
+	}
+	p.settle(done)
+	if cap(buf) > 4*maxStorePages*cache.PageSize {
+		buf = nil
+	}
+	return buf
+}
+
+// store pushes run r's data into the page cache.
+func (p *Prefetcher) store(r cache.Run, data []byte) Outcome {
+	off := int64(r.First) * cache.PageSize
+	err := p.pusher.Store(r.Table, off, data)
+	if err == nil {
+		p.st.PrefetchPagesStored.Add(r.N)
+		p.layerOf[r.Table].Pushed.Add(r.N)
+		return Resident
+	}
+	p.st.PrefetchStoreErrors.Add(r.N)
+	p.st.PrefetchPagesFailed.Add(r.N)
+	if !errors.Is(err, ErrNotLookedUp) {
+		p.log.Warn("page cache store failed", zap.Uint32("table", r.Table), zap.Int64("offset", off), zap.Error(err))
+	}
+	return Failed
+}
+
+// confirm makes sure a page a fault read is in the page cache.
+func (p *Prefetcher) confirm(r cache.Run) Outcome {
+	if p.confirmer == nil {
+		return Resident
+	}
+	if err := p.confirmer.Confirm(r.Table, int64(r.First)*cache.PageSize); err != nil {
+		p.st.PrefetchPagesFailed.Add(r.N)
+		p.log.Warn("confirming a faulted page failed", zap.Uint32("table", r.Table), zap.Uint64("page", r.First), zap.Error(err))
+		return Failed
+	}
+	return Resident
+}
+
+// settle offers the resident pages to the hot tier, then settles them all:
+// once a barrier returns, the tier has heard of its pages (a warm restart
+// flushes the tier's pin queue right after its barrier and counts what is
+// pinned). Admit runs without p.mu: pinning faults through our own Read
+// handler, which takes p.mu (ServedByFault).
+func (p *Prefetcher) settle(done []settled) {
+	var decodeKeys, prefillKeys []cache.PageKey
+	if p.hot != nil {
+		p.mu.Lock()
+		for _, d := range done {
+			if d.o != Resident {
+				continue
+			}
+			p.c.admissions(d.run.Table, d.run.First, d.run.N, func(k cache.PageKey, decode bool) {
+				if decode {
+					decodeKeys = append(decodeKeys, k)
+				} else {
+					prefillKeys = append(prefillKeys, k)
+				}
+			})
+		}
+		p.mu.Unlock()
+		if len(decodeKeys) > 0 {
+			p.hot.Admit(decodeKeys, cache.SignalDecode)
+		}
+		if len(prefillKeys) > 0 {
+			p.hot.Admit(prefillKeys, cache.SignalPrefill)
+		}
+	}
+	p.mu.Lock()
+	for _, d := range done {
+		p.c.settle(d.run.Table, d.run.First, d.run.N, d.o)
+	}
+	p.mu.Unlock()
+}

@@ -1,0 +1,437 @@
+package prefetch
+
+import (
+	"github.com/engramfs/engramfs/cache"
+	"github.com/engramfs/engramfs/hints"
+)
+
+// This file is the scheduler's core: admission, priority, drops, cancellation
+// by a fault and settlement, as plain data. It starts no goroutine, does no
+// I/O and takes no lock: the Prefetcher holds its mutex around every call,
+// and the loops around it (fetch.go, push.go) do the waiting.
+//
+// Every page the core knows has one pageState, however many hints name it:
+// memory follows the pages queued or in flight, not the mentions. Work sits
+// in queues as runs of adjacent pages. A run never owns its pages: it only
+// says "these pages were queued at generation id". The generation is what
+// makes stale work harmless: a state created after a run (gen > run.id) is
+// none of that run's business, so a run that outlived its pages (they were
+// fetched through another run, faulted in, or settled and hinted again) can
+// neither claim, drop nor settle the newer state.
+
+// Outcome is how a page settled.
+type Outcome uint8
+
+const (
+	// Resident: stored into the page cache, or confirmed there after a
+	// fault read it first.
+	Resident Outcome = iota
+	// Failed: the backing read or the store failed, or the prefetcher closed.
+	Failed
+	// Dropped: prefill work dropped from a full queue (never decode work).
+	Dropped
+)
+
+// Status is what a barrier reports (the control file's status line).
+type Status = hints.Status
+
+type stage uint8
+
+const (
+	stQueued   stage = iota // waiting in a queue
+	stInflight              // handed to the loader; settles when pushed or failed
+	stFaulted               // a FUSE read served it: settles once confirmed resident
+)
+
+// pageState is one page queued, in flight or awaiting confirmation.
+type pageState struct {
+	gen    uint64 // run id of the admission that created it
+	stage  stage
+	decode bool // queued as decode work: never dropped
+	// admitDecode: offer it to the hot tier as decode work once resident.
+	admitDecode bool
+	// Handles waiting for it, each with the oldest of its submissions that
+	// named the page: a later submission of the same handle that names it
+	// again adds nothing (any barrier covering the later one covers the
+	// older one too).
+	first link
+	more  []link
+}
+
+type link struct {
+	b   *Barrier
+	seq uint64
+}
+
+// run is pages [first, first+n) of table, queued by admission id.
+type run struct {
+	id    uint64
+	table uint32
+	first uint64
+	n     uint64
+}
+
+// runFIFO is a queue of runs that counts its pages.
+type runFIFO struct {
+	runs  []run
+	head  int
+	pages int
+}
+
+func (q *runFIFO) len() int { return len(q.runs) - q.head }
+
+func (q *runFIFO) push(r run) {
+	// Reclaim the consumed prefix once it is half the slice.
+	if q.head > 64 && q.head*2 >= len(q.runs) {
+		q.runs = append(q.runs[:0], q.runs[q.head:]...)
+		q.head = 0
+	}
+	q.runs = append(q.runs, r)
+	q.pages += int(r.n)
+}
+
+func (q *runFIFO) pop() (run, bool) {
+	if q.head == len(q.runs) {
+		return run{}, false
+	}
+	r := q.runs[q.head]
+	q.runs[q.head] = run{}
+	q.head++
+	q.pages -= int(r.n)
+	return r, true
+}
+
+// pushFront puts back the rest of a run just popped.
+func (q *runFIFO) pushFront(r run) {
+	if q.head > 0 {
+		q.head--
+		q.runs[q.head] = r
+	} else {
+		q.runs = append([]run{r}, q.runs[q.head:]...)
+		q.head = 0
+	}
+	q.pages += int(r.n)
+}
+
+func (q *runFIFO) reset() { *q = runFIFO{} }
+
+// coreConfig bounds the core.
+type coreConfig struct {
+	prefillPages int // pages the prefill queue holds; past it the oldest runs drop
+}
+
+// core is the scheduler state. Not safe for concurrent use.
+type core struct {
+	cfg     coreConfig
+	pages   map[cache.PageKey]*pageState
+	prefill runFIFO
+	// Handles with decode work, served round robin: one run each per turn,
+	// so a handle that sends prefill-sized decode frames delays the others
+	// by one run, not by its whole backlog.
+	ring []*Barrier
+	rr   int
+	id   uint64 // last admission id
+	// inflight is the number of pages handed to the loader and not yet
+	// answered.
+	inflight int
+
+	// Tallies for the counters (the Prefetcher publishes them).
+	queued, dropped uint64
+	// onDrop hears of dropped pages (per-layer counters, the hint
+	// accuracy bitmap); may be nil.
+	onDrop func(table uint32, first, n uint64)
+}
+
+func newCore(cfg coreConfig) *core {
+	return &core{cfg: cfg, pages: map[cache.PageKey]*pageState{}}
+}
+
+// submission opens a new submission (a part of a frame) on b.
+func (c *core) submission(b *Barrier) uint64 {
+	b.seq++
+	return b.seq
+}
+
+// endSubmission closes what submission seq opened: frameEnd counts a frame.
+// Barriers cover it from now on.
+func (c *core) endSubmission(b *Barrier, seq uint64, frameEnd bool) {
+	b.accepted = seq
+	if frameEnd {
+		b.status.Frames++
+	}
+	b.advance()
+}
+
+// pinned counts n pages of b's current submission that were pinned already.
+func (c *core) pinned(b *Barrier, n uint64) {
+	b.status.Pages += n
+	b.status.Pinned += n
+}
+
+// pageRun is pages [first, first+n) of table: what a submission names.
+type pageRun struct {
+	table uint32
+	first uint64
+	n     uint64
+}
+
+// admit queues runs (sorted, non-overlapping) for b's submission seq.
+// decode: queue as decode work (b's own queue, never dropped); otherwise as
+// prefill work, on the shared queue, dropped oldest first when full. A
+// prefill submission larger than the whole queue keeps its last pages.
+// admitDecode: offer the pages to the hot tier as decode work.
+func (c *core) admit(b *Barrier, seq uint64, runs []pageRun, decode, admitDecode bool) {
+	if len(runs) == 0 {
+		return
+	}
+	c.id++
+	id := c.id
+	if !decode {
+		total := 0
+		for _, r := range runs {
+			total += int(r.n)
+		}
+		// Keep the tail: it is what the next chunk needs last, and the
+		// queue's own rule (oldest first) would drop the head anyway.
+		for skip := total - c.cfg.prefillPages; skip > 0; {
+			r := &runs[0]
+			k := min(uint64(skip), r.n)
+			b.status.Pages += k
+			b.status.Dropped += k
+			c.dropped += k
+			if c.onDrop != nil {
+				c.onDrop(r.table, r.first, k)
+			}
+			r.first += k
+			r.n -= k
+			skip -= int(k)
+			if r.n == 0 {
+				runs = runs[1:]
+			}
+		}
+	}
+	for _, r := range runs {
+		start, n := r.first, uint64(0) // the pages of r this admission queues
+		flush := func() {
+			if n > 0 {
+				c.enqueue(b, run{id: id, table: r.table, first: start, n: n}, decode)
+			}
+		}
+		for pg := r.first; pg < r.first+r.n; pg++ {
+			k := cache.PageKey{Table: r.table, Page: pg}
+			s := c.pages[k]
+			fresh := false
+			switch {
+			case s == nil:
+				s = &pageState{gen: id, decode: decode}
+				c.pages[k] = s
+				fresh = true
+			case s.stage == stQueued && decode && !s.decode:
+				// Queued as prefill: it gets a decode run too, so it is
+				// not stuck behind prefill work, and it is never dropped.
+				s.decode = true
+				fresh = true
+			}
+			if decode || admitDecode {
+				s.admitDecode = true
+			}
+			if s.addLink(b, seq) {
+				b.status.Pages++
+				b.wait(seq)
+			}
+			if fresh {
+				if n == 0 {
+					start = pg
+				}
+				n++
+				continue
+			}
+			flush()
+			n = 0
+		}
+		flush()
+	}
+}
+
+// enqueue puts r on its queue, making room in the prefill queue first.
+func (c *core) enqueue(b *Barrier, r run, decode bool) {
+	c.queued += r.n
+	if decode {
+		b.decodeQ.push(r)
+		if !b.inRing {
+			b.inRing = true
+			c.ring = append(c.ring, b)
+		}
+		return
+	}
+	for c.prefill.pages+int(r.n) > c.cfg.prefillPages && c.prefill.len() > 0 {
+		c.dropOldest()
+	}
+	c.prefill.push(r)
+}
+
+// addLink records that b's submission seq waits for the page; false if b
+// was waiting for it already.
+func (s *pageState) addLink(b *Barrier, seq uint64) bool {
+	if s.first.b == nil {
+		s.first = link{b, seq}
+		return true
+	}
+	if s.first.b == b {
+		return false
+	}
+	for _, l := range s.more {
+		if l.b == b {
+			return false
+		}
+	}
+	s.more = append(s.more, link{b, seq})
+	return true
+}
+
+// dropOldest drops the oldest prefill run: the pages it queued that are
+// still only queued as prefill settle as dropped.
+func (c *core) dropOldest() {
+	r, ok := c.prefill.pop()
+	if !ok {
+		return
+	}
+	for pg := r.first; pg < r.first+r.n; pg++ {
+		k := cache.PageKey{Table: r.table, Page: pg}
+		s := c.pages[k]
+		if s == nil || s.gen != r.id || s.stage != stQueued || s.decode {
+			continue // not this run's page any more
+		}
+		delete(c.pages, k)
+		c.dropped++
+		if c.onDrop != nil {
+			c.onDrop(k.Table, k.Page, 1)
+		}
+		s.settle(Dropped)
+	}
+}
+
+// next claims up to budget pages of work: decode runs first, one run per
+// handle per turn, then prefill runs oldest first. The claimed pages are in
+// flight from now on; the caller hands the returned runs to the loader.
+func (c *core) next(budget int) []cache.Run {
+	var out []cache.Run
+	for budget > 0 && len(c.ring) > 0 {
+		if c.rr >= len(c.ring) {
+			c.rr = 0
+		}
+		b := c.ring[c.rr]
+		r, _ := b.decodeQ.pop()
+		out, budget = c.claim(out, &b.decodeQ, r, budget)
+		if b.decodeQ.len() == 0 {
+			b.inRing = false
+			c.ring = append(c.ring[:c.rr], c.ring[c.rr+1:]...)
+		} else {
+			c.rr++
+		}
+	}
+	for budget > 0 && c.prefill.len() > 0 {
+		r, _ := c.prefill.pop()
+		out, budget = c.claim(out, &c.prefill, r, budget)
+	}
+	return out
+}
+
+// claim claims the pages of r still queued for it, up to budget; what the
+// budget leaves goes back to the front of q.
+func (c *core) claim(out []cache.Run, q *runFIFO, r run, budget int) ([]cache.Run, int) {
+	var cur cache.Run
+	for pg := r.first; pg < r.first+r.n; pg++ {
+		if budget == 0 {
+			q.pushFront(run{id: r.id, table: r.table, first: pg, n: r.first + r.n - pg})
+			break
+		}
+		s := c.pages[cache.PageKey{Table: r.table, Page: pg}]
+		if s == nil || s.gen > r.id || s.stage != stQueued {
+			continue
+		}
+		s.stage = stInflight
+		budget--
+		c.inflight++
+		if cur.N > 0 && cur.First+cur.N == pg {
+			cur.N++
+			continue
+		}
+		if cur.N > 0 {
+			out = append(out, cur)
+		}
+		cur = cache.Run{Table: r.table, First: pg, N: 1}
+	}
+	if cur.N > 0 {
+		out = append(out, cur)
+	}
+	return out, budget
+}
+
+// answered returns n pages of the in-flight budget: the loader answered them.
+func (c *core) answered(n uint64) { c.inflight -= int(n) }
+
+// admissions reports which of pages [first, first+n) of table are to be
+// offered to the hot tier as decode work (true) or as prefill work.
+func (c *core) admissions(table uint32, first, n uint64, fn func(k cache.PageKey, decode bool)) {
+	for pg := first; pg < first+n; pg++ {
+		k := cache.PageKey{Table: table, Page: pg}
+		if s := c.pages[k]; s != nil && s.stage != stQueued {
+			fn(k, s.admitDecode)
+		}
+	}
+}
+
+// settle ends pages [first, first+n) of table that are in flight or awaiting
+// confirmation: every handle waiting for them hears outcome.
+func (c *core) settle(table uint32, first, n uint64, o Outcome) {
+	for pg := first; pg < first+n; pg++ {
+		k := cache.PageKey{Table: table, Page: pg}
+		s := c.pages[k]
+		if s == nil || s.stage == stQueued {
+			continue // not claimed: not ours to settle
+		}
+		delete(c.pages, k)
+		s.settle(o)
+	}
+}
+
+// faulted cancels the fetch of keys still queued: a FUSE read is serving
+// them, so fetching them again would read them twice. They are not resident
+// yet (the read's reply is still on its way to the kernel), so they do not
+// settle here: the caller confirms each returned page resident, then
+// settles it. Pages in flight are left alone: the loader hands the fault the
+// prefetch's own read.
+func (c *core) faulted(keys []cache.PageKey) (confirm []cache.PageKey) {
+	for _, k := range keys {
+		if s := c.pages[k]; s != nil && s.stage == stQueued {
+			s.stage = stFaulted
+			confirm = append(confirm, k)
+		}
+	}
+	return confirm
+}
+
+// drain empties the queues at close: every queued page fails. Pages in
+// flight or awaiting confirmation still settle through their own paths.
+func (c *core) drain() {
+	for k, s := range c.pages {
+		if s.stage == stQueued {
+			delete(c.pages, k)
+			s.settle(Failed)
+		}
+	}
+	c.prefill.reset()
+	for _, b := range c.ring {
+		b.decodeQ.reset()
+		b.inRing = false
+	}
+	c.ring = nil
+}
+
+func (s *pageState) settle(o Outcome) {
+	s.first.b.settle(s.first.seq, o)
+	for _, l := range s.more {
+		l.b.settle(l.seq, o)
+	}
+}

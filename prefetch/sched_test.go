@@ -1,0 +1,259 @@
+package prefetch
+
+import (
+	"testing"
+
+	"github.com/engramfs/engramfs/cache"
+)
+
+// These tests drive the scheduler core by hand: no goroutines, no loader,
+// no root. Each step is what a loop would do, in the order a race could
+// interleave it.
+
+// submit is one submission of runs on b, as SubmitPart makes it.
+func submit(c *core, b *Barrier, decode bool, frameEnd bool, runs ...pageRun) uint64 {
+	seq := c.submission(b)
+	c.admit(b, seq, runs, decode, decode)
+	c.endSubmission(b, seq, frameEnd)
+	return seq
+}
+
+// settledThrough reports whether every submission of b up to seq settled:
+// the condition a barrier taken after seq waits for.
+func settledThrough(b *Barrier, seq uint64) bool { return b.settledThrough(seq) }
+
+// fetchAll claims everything and settles it with o, as the loops would.
+func fetchAll(c *core, o Outcome) []cache.Run {
+	var all []cache.Run
+	for {
+		runs := c.next(1 << 30)
+		if len(runs) == 0 {
+			return all
+		}
+		for _, r := range runs {
+			c.answered(r.N)
+			c.settle(r.Table, r.First, r.N, o)
+		}
+		all = append(all, runs...)
+	}
+}
+
+func pages(runs []cache.Run) map[cache.PageKey]int {
+	out := map[cache.PageKey]int{}
+	for _, r := range runs {
+		for pg := r.First; pg < r.First+r.N; pg++ {
+			out[cache.PageKey{Table: r.Table, Page: pg}]++
+		}
+	}
+	return out
+}
+
+func TestCoreDecodeFirstAndRoundRobin(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 1000})
+	pre, a, b := NewBarrier(), NewBarrier(), NewBarrier()
+	submit(c, pre, false, true, pageRun{0, 100, 50})
+	submit(c, a, true, true, pageRun{0, 1, 1}) // a sends two decode frames
+	submit(c, a, true, true, pageRun{0, 3, 1})
+	submit(c, b, true, true, pageRun{0, 5, 1})
+	got := c.next(3)
+	want := []cache.Run{{Table: 0, First: 1, N: 1}, {Table: 0, First: 5, N: 1}, {Table: 0, First: 3, N: 1}}
+	if len(got) != len(want) {
+		t.Fatalf("first claim %v, want %v", got, want)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("first claim %v, want %v (decode round robin: a, b, a)", got, want)
+		}
+	}
+	if c.inflight != 3 {
+		t.Fatalf("inflight %d, want 3", c.inflight)
+	}
+	// The budget splits the prefill run; the rest stays at the front.
+	if got := c.next(10); len(got) != 1 || got[0] != (cache.Run{Table: 0, First: 100, N: 10}) {
+		t.Fatalf("prefill claim %v, want pages 100-109", got)
+	}
+	if got := c.next(100); len(got) != 1 || got[0] != (cache.Run{Table: 0, First: 110, N: 40}) {
+		t.Fatalf("prefill claim %v, want pages 110-149", got)
+	}
+}
+
+// The lost-decode race of issue 11: a page's state is deleted when fetched
+// (here: faulted and confirmed) and re-created by a new decode hint while an
+// older prefill run for it is still queued. Dropping that stale run must not
+// settle the new state, and claiming must still find it.
+func TestCoreStaleRunNeverSettlesANewerState(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 4})
+	pre, dec := NewBarrier(), NewBarrier()
+	submit(c, pre, false, true, pageRun{0, 10, 4}) // pages 10-13 as prefill
+	k := cache.PageKey{Table: 0, Page: 11}
+	if confirm := c.faulted([]cache.PageKey{k}); len(confirm) != 1 {
+		t.Fatalf("faulted returned %v, want page 11 to confirm", confirm)
+	}
+	c.settle(0, 11, 1, Resident) // confirmed resident
+	seq := submit(c, dec, true, true, pageRun{0, 11, 1})
+	// A prefill flood drops the old run (it holds the old page 11).
+	submit(c, pre, false, true, pageRun{0, 50, 4})
+	if settledThrough(dec, seq) {
+		t.Fatal("the decode hint settled when a stale prefill run was dropped")
+	}
+	if dec.status.Dropped != 0 {
+		t.Fatalf("decode status %+v: a decode page was dropped", dec.status)
+	}
+	runs := fetchAll(c, Resident)
+	if pages(runs)[k] != 1 {
+		t.Fatalf("page 11 claimed %d times, want once: %v", pages(runs)[k], runs)
+	}
+	if !settledThrough(dec, seq) || dec.status.Resident != 1 || dec.status.Pages != 1 {
+		t.Fatalf("decode status %+v, settled %v; want 1 page resident", dec.status, settledThrough(dec, seq))
+	}
+}
+
+func TestCoreStaleRunNeverClaimsANewerState(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 100})
+	pre, dec := NewBarrier(), NewBarrier()
+	submit(c, pre, false, true, pageRun{0, 10, 1})
+	// Claimed through a decode run and settled while the prefill run waits.
+	submit(c, dec, true, true, pageRun{0, 10, 1})
+	if runs := c.next(1); len(runs) != 1 {
+		t.Fatalf("claim %v", runs)
+	}
+	c.answered(1)
+	c.settle(0, 10, 1, Resident)
+	// Hinted again as prefill: a fresh state and run.
+	seq := submit(c, pre, false, true, pageRun{0, 10, 1})
+	runs := fetchAll(c, Resident)
+	if n := pages(runs)[cache.PageKey{Table: 0, Page: 10}]; n != 1 {
+		t.Fatalf("page 10 claimed %d times after re-hint, want once", n)
+	}
+	if !settledThrough(pre, seq) {
+		t.Fatal("the prefill re-hint never settled")
+	}
+}
+
+func TestCoreBarrierWaitsForExactlyItsSubmissions(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 100})
+	b := NewBarrier()
+	s1 := submit(c, b, true, true, pageRun{0, 1, 1})
+	first := c.next(1) // page 1 in flight
+	s2 := submit(c, b, true, true, pageRun{0, 2, 1})
+	if settledThrough(b, s1) {
+		t.Fatal("settled before its page")
+	}
+	c.answered(1)
+	c.settle(first[0].Table, first[0].First, first[0].N, Resident)
+	if !settledThrough(b, s1) {
+		t.Fatal("a barrier for the first frame waits for the second")
+	}
+	if settledThrough(b, s2) {
+		t.Fatal("the second frame settled before its page")
+	}
+	// A page named by both frames of the same handle waits in the older.
+	s3 := submit(c, b, false, true, pageRun{0, 2, 1})
+	if b.status.Pages != 2 {
+		t.Fatalf("pages %d, want 2: a page named twice counts once", b.status.Pages)
+	}
+	fetchAll(c, Failed)
+	if !settledThrough(b, s3) || b.status.Failed != 1 || b.status.Resident != 1 || b.status.Frames != 3 {
+		t.Fatalf("status %+v", b.status)
+	}
+}
+
+func TestCoreMemoryIndependentOfMentions(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 1 << 20})
+	b := NewBarrier()
+	for range 100 {
+		submit(c, b, false, true, pageRun{0, 0, 1000}, pageRun{1, 0, 10})
+	}
+	if len(c.pages) != 1010 || c.prefill.pages != 1010 || c.prefill.len() != 2 {
+		t.Fatalf("after 100 mentions: %d states, %d queued pages in %d runs; want 1010, 1010, 2", len(c.pages), c.prefill.pages, c.prefill.len())
+	}
+	for _, s := range c.pages {
+		if len(s.more) != 0 {
+			t.Fatal("a handle waits on a page more than once")
+		}
+	}
+	if len(b.open) != 1 {
+		t.Fatalf("%d submissions open, want 1 (the later ones added nothing)", len(b.open))
+	}
+}
+
+func TestCorePrefillLargerThanQueueKeepsItsTail(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 100})
+	b := NewBarrier()
+	submit(c, b, false, true, pageRun{0, 0, 50})
+	submit(c, b, false, true, pageRun{0, 1000, 30}, pageRun{0, 2000, 300})
+	if c.prefill.pages != 100 {
+		t.Fatalf("%d pages queued, want the queue's 100", c.prefill.pages)
+	}
+	runs := fetchAll(c, Resident)
+	got := pages(runs)
+	for pg := uint64(2200); pg < 2300; pg++ {
+		if got[cache.PageKey{Table: 0, Page: pg}] != 1 {
+			t.Fatalf("tail page %d not fetched: %v", pg, runs)
+		}
+	}
+	if len(got) != 100 {
+		t.Fatalf("fetched %d pages, want 100", len(got))
+	}
+	if b.status.Pages != 380 || b.status.Dropped != 280 || b.status.Resident != 100 || len(b.open) != 0 {
+		t.Fatalf("status %+v open %v", b.status, b.open)
+	}
+}
+
+func TestCoreDecodeNeverDropped(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 10})
+	pre, dec := NewBarrier(), NewBarrier()
+	submit(c, pre, false, true, pageRun{0, 0, 10})
+	seq := submit(c, dec, true, true, pageRun{0, 5, 10}) // 5-9 upgraded, 10-14 fresh
+	submit(c, pre, false, true, pageRun{0, 100, 10})     // drops the first prefill run
+	runs := fetchAll(c, Resident)
+	got := pages(runs)
+	for pg := uint64(5); pg < 15; pg++ {
+		if got[cache.PageKey{Table: 0, Page: pg}] != 1 {
+			t.Fatalf("decode page %d fetched %d times", pg, got[cache.PageKey{Table: 0, Page: pg}])
+		}
+	}
+	if !settledThrough(dec, seq) || dec.status.Resident != 10 || dec.status.Dropped != 0 {
+		t.Fatalf("decode status %+v", dec.status)
+	}
+	if pre.status.Dropped != 5 || pre.status.Resident != 15 {
+		t.Fatalf("prefill status %+v: want 5 dropped (0-4), 15 resident (5-9 via decode, 100-109)", pre.status)
+	}
+}
+
+func TestCoreFaultCancelsQueuedNotInflight(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 100})
+	b := NewBarrier()
+	seq := submit(c, b, false, true, pageRun{0, 0, 2})
+	c.next(1) // page 0 in flight
+	confirm := c.faulted([]cache.PageKey{{Table: 0, Page: 0}, {Table: 0, Page: 1}, {Table: 0, Page: 7}})
+	if len(confirm) != 1 || confirm[0].Page != 1 {
+		t.Fatalf("faulted returned %v, want only the queued page 1", confirm)
+	}
+	if runs := c.next(10); len(runs) != 0 {
+		t.Fatalf("claimed %v after the fault cancelled the rest", runs)
+	}
+	if settledThrough(b, seq) {
+		t.Fatal("settled before the faulted page was confirmed")
+	}
+	c.settle(0, 1, 1, Resident)
+	c.answered(1)
+	c.settle(0, 0, 1, Resident)
+	if !settledThrough(b, seq) || b.status.Resident != 2 {
+		t.Fatalf("status %+v", b.status)
+	}
+}
+
+func TestCoreDrainFailsQueuedWork(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 100})
+	a, b := NewBarrier(), NewBarrier()
+	submit(c, a, false, true, pageRun{0, 0, 5})
+	submit(c, b, true, true, pageRun{1, 0, 5})
+	c.drain()
+	if len(c.pages) != 0 || len(a.open) != 0 || len(b.open) != 0 || a.status.Failed != 5 || b.status.Failed != 5 {
+		t.Fatalf("after drain: %d states, a %+v, b %+v", len(c.pages), a.status, b.status)
+	}
+	if runs := c.next(100); len(runs) != 0 {
+		t.Fatalf("claimed %v after drain", runs)
+	}
+}
