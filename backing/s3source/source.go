@@ -4,8 +4,9 @@
 // It asks for the bytes the loader asks for and no more (no readahead: a
 // 4 KiB page costs one ranged GET of 4 KiB, where object-store filesystems
 // move 1-4 MiB per random read), merges reads submitted together that lie
-// within MergeGap of each other into one GET, hedges GETs that have no first
-// byte after the recent p95, and retries what a store fails transiently.
+// within MergeGap of each other into one GET, serves demand reads (faults)
+// before queued prefetch reads, hedges demand GETs that have no first byte
+// after the recent p95, and retries what a store fails transiently.
 // Every GET is conditional on the ETag seen at mount (If-Match): an object
 // rewritten under a live mount fails with backing.ErrShardChanged, never
 // with new or mixed bytes.
@@ -68,7 +69,7 @@ type Source struct {
 	cfg    Config
 	st     *stats.Counters
 
-	sem       chan struct{} // a slot per GET in flight
+	slots     *slots // a slot per GET in flight; demand GETs first
 	lat       latency
 	primaries atomic.Uint64 // demand GETs that may be hedged
 	hedges    atomic.Uint64
@@ -145,7 +146,7 @@ func newSource(c objectClient, bucket, prefix string, cfg Config, st *stats.Coun
 	cfg = withDefaults(cfg)
 	s := &Source{
 		url: "s3://" + bucket + "/" + strings.TrimSuffix(prefix, "/"), prefix: prefix,
-		c: c, cfg: cfg, st: st, sem: make(chan struct{}, cfg.Concurrency),
+		c: c, cfg: cfg, st: st, slots: newSlots(cfg.Concurrency),
 	}
 	s.lat.floor = cfg.HedgeFloor
 	return s, nil
@@ -185,7 +186,7 @@ func (s *Source) ReadFile(name string, limit int64) ([]byte, error) {
 	if sh.id.Size == 0 {
 		return []byte{}, nil
 	}
-	return sh.fetch(0, sh.id.Size, false)
+	return sh.fetch(0, sh.id.Size, true, false)
 }
 
 // Open opens shard name: one HEAD for its size and ETag.
@@ -237,7 +238,8 @@ var _ backing.ShardFile = (*shard)(nil)
 func (sh *shard) url() string                { return sh.src.String() + "/" + sh.name }
 func (sh *shard) Identity() backing.Identity { return sh.id }
 
-// ReadAt reads synchronously (headers): one GET, retried, not hedged.
+// ReadAt reads synchronously (headers): one GET in the demand lane (a
+// caller waits), retried, not hedged.
 func (sh *shard) ReadAt(p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, fmt.Errorf("%s: negative offset %d", sh.url(), off)
@@ -253,7 +255,7 @@ func (sh *shard) ReadAt(p []byte, off int64) (int, error) {
 		return 0, fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
 	}
 	defer sh.inflight.Done()
-	data, err := sh.fetch(off, n, false)
+	data, err := sh.fetch(off, n, true, false)
 	if err != nil {
 		return 0, err
 	}
@@ -311,10 +313,11 @@ func (sh *shard) Submit(reads ...*backing.ShardRead) {
 	}
 }
 
-// serve answers one span with one (hedged, retried) GET.
+// serve answers one span with one retried GET; a demand span (a reader
+// is blocked on one of its reads) goes in the demand lane and is hedged.
 func (sh *shard) serve(sp span) {
 	defer sh.inflight.Done()
-	buf, err := sh.fetch(sp.off, sp.n, true)
+	buf, err := sh.fetch(sp.off, sp.n, sp.demand, sp.demand)
 	if err != nil {
 		sp.fail(err)
 		return
@@ -323,10 +326,11 @@ func (sh *shard) serve(sp span) {
 }
 
 // fetch GETs bytes [off, off+n), retrying what may succeed another time.
-func (sh *shard) fetch(off, n int64, hedge bool) ([]byte, error) {
+// demand picks the lane; hedge allows a hedged GET.
+func (sh *shard) fetch(off, n int64, demand, hedge bool) ([]byte, error) {
 	cfg := &sh.src.cfg
 	for attempt := 1; ; attempt++ {
-		buf, err := sh.get(off, n, hedge)
+		buf, err := sh.get(off, n, demand, hedge)
 		if err == nil {
 			return buf, nil
 		}
@@ -360,12 +364,10 @@ type attemptResult struct {
 // get is one try at bytes [off, off+n): a GET, and when hedge is set and
 // no first byte came after the adaptive p95, a second GET; the first to
 // deliver the whole body wins and the other is canceled.
-func (sh *shard) get(off, n int64, hedge bool) ([]byte, error) {
+func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 	s := sh.src
-	select {
-	case s.sem <- struct{}{}:
-	case <-sh.ctx.Done():
-		return nil, sh.ctx.Err()
+	if err := s.slots.acquire(sh.ctx, demand); err != nil {
+		return nil, err
 	}
 	ctx, cancel := context.WithCancel(sh.ctx)
 	defer cancel() // stops the loser
@@ -391,7 +393,7 @@ func (sh *shard) get(off, n int64, hedge bool) ([]byte, error) {
 			timer = nil // the GET is answering: no hedge
 		case <-timer:
 			timer = nil
-			if s.allowHedge() && s.trySlot() {
+			if s.allowHedge() && s.slots.tryAcquire() {
 				s.st.S3Hedges.Add(1)
 				sh.inflight.Add(1)
 				go sh.attempt(ctx, off, n, firstByte, results)
@@ -423,21 +425,11 @@ func (s *Source) allowHedge() bool {
 	return true
 }
 
-// trySlot takes a GET slot if one is free: a hedge never waits for one.
-func (s *Source) trySlot() bool {
-	select {
-	case s.sem <- struct{}{}:
-		return true
-	default:
-		return false
-	}
-}
-
 // attempt runs one GET holding a slot (taken by the caller) and reads the
 // whole body.
 func (sh *shard) attempt(ctx context.Context, off, n int64, firstByte chan<- struct{}, out chan<- attemptResult) {
 	s := sh.src
-	defer func() { <-s.sem; sh.inflight.Done() }()
+	defer func() { s.slots.release(); sh.inflight.Done() }()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.AttemptTimeout)
 	defer cancel()
 	s.st.S3Gets.Add(1)

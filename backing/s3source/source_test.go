@@ -146,15 +146,22 @@ func shardBytes(t *testing.T, dir string, src *Source) ([]byte, backing.ShardFil
 	return want, sf
 }
 
-// readPages submits the pages at offs in one call and waits.
+// readPages submits the pages at offs in one call, as prefetch reads, and
+// waits.
 func readPages(t *testing.T, sf backing.ShardFile, offs []int64, n int) ([][]byte, []error) {
+	t.Helper()
+	return readPagesAs(t, sf, offs, n, false)
+}
+
+// readPagesAs is readPages with the reads' Demand flag.
+func readPagesAs(t *testing.T, sf backing.ShardFile, offs []int64, n int, demand bool) ([][]byte, []error) {
 	t.Helper()
 	data, errs := make([][]byte, len(offs)), make([]error, len(offs))
 	var wg sync.WaitGroup
 	wg.Add(len(offs))
 	reads := make([]*backing.ShardRead, len(offs))
 	for i, off := range offs {
-		reads[i] = &backing.ShardRead{Off: off, Len: n, Done: func(b []byte, err error) {
+		reads[i] = &backing.ShardRead{Off: off, Len: n, Demand: demand, Done: func(b []byte, err error) {
 			data[i], errs[i] = b, err
 			wg.Done()
 		}}
@@ -284,7 +291,7 @@ func TestMergesNearbyReads(t *testing.T) {
 	}
 }
 
-// A GET with no first byte after the p95 gets a second GET, which
+// A demand GET with no first byte after the p95 gets a second GET, which
 // answers; hedges stay within 5% of GETs.
 func TestHedgesSlowGETs(t *testing.T) {
 	dir := synth(t)
@@ -304,14 +311,14 @@ func TestHedgesSlowGETs(t *testing.T) {
 	// Warm the latency window: 200 fast GETs, one at a time.
 	for i := 0; i < 200; i++ {
 		off := rng.Int64N(size/4096) * 4096
-		if _, errs := readPages(t, sf, []int64{off}, min(4096, int(size-off))); errs[0] != nil {
+		if _, errs := readPagesAs(t, sf, []int64{off}, min(4096, int(size-off)), true); errs[0] != nil {
 			t.Fatal(errs[0])
 		}
 	}
 	// Two stalled GETs: both hedged, both answered by the hedge.
 	for _, off := range []int64{8192, 1 << 20} {
 		slow.Store(getReq{"m/" + sf.(*shard).name, off, 4096}, true)
-		data, errs := readPages(t, sf, []int64{off}, 4096)
+		data, errs := readPagesAs(t, sf, []int64{off}, 4096, true)
 		if errs[0] != nil || !bytes.Equal(data[0], want[off:off+4096]) {
 			t.Fatalf("stalled page at %d: %v, or wrong bytes", off, errs[0])
 		}
@@ -334,7 +341,7 @@ func TestHedgesSlowGETs(t *testing.T) {
 	before := st.S3Hedges.Load()
 	for i := 0; i < 50; i++ {
 		off := rng.Int64N(size/4096-1) * 4096
-		if _, errs := readPages(t, sf, []int64{off}, 4096); errs[0] != nil {
+		if _, errs := readPagesAs(t, sf, []int64{off}, 4096, true); errs[0] != nil {
 			t.Fatal(errs[0])
 		}
 	}
