@@ -361,61 +361,82 @@ type attemptResult struct {
 	err error
 }
 
-// get is one try at bytes [off, off+n): a GET, and when hedge is set and
-// no first byte came after the adaptive p95, a second GET; the first to
-// deliver the whole body wins and the other is canceled.
+// errNoHedge: the hedge timer fired but the hedge budget or the slots
+// allowed no hedge.
+var errNoHedge = errors.New("no hedge")
+
+// Hedge states of one get.
+const (
+	hedgeWaiting = iota // the GET has no answer yet: a hedge may start
+	hedgeNever          // the GET is answering, or done: no hedge
+	hedgeStarted        // the timer fired: a result (errNoHedge at least) will come
+)
+
+// get is one try at bytes [off, off+n): a GET in this goroutine and, when
+// hedge is set and it has no answer after the adaptive p95, a second GET;
+// the first to deliver the whole body wins and the other is canceled. A
+// GET that is not hedged costs no goroutine, channel or timer.
 func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 	s := sh.src
 	if err := s.slots.acquire(sh.ctx, demand); err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithCancel(sh.ctx)
-	defer cancel() // stops the loser
-	results := make(chan attemptResult, 2)
-	firstByte := make(chan struct{}, 2)
-	sh.inflight.Add(1)
-	go sh.attempt(ctx, off, n, firstByte, results)
-	pending := 1
-
-	var timer <-chan time.Time
+	var delay time.Duration
 	if hedge && s.cfg.HedgePercent > 0 {
 		s.primaries.Add(1)
-		if d := s.lat.delay(); d > 0 {
-			t := time.NewTimer(d)
-			defer t.Stop()
-			timer = t.C
-		}
+		delay = s.lat.delay()
 	}
-	var firstErr error
-	for {
-		select {
-		case <-firstByte:
-			timer = nil // the GET is answering: no hedge
-		case <-timer:
-			timer = nil
-			if s.allowHedge() && s.slots.tryAcquire() {
-				s.st.S3Hedges.Add(1)
-				sh.inflight.Add(1)
-				go sh.attempt(ctx, off, n, firstByte, results)
-				pending++
-			}
-		case r := <-results:
-			pending--
+	if delay == 0 {
+		r := sh.attempt(sh.ctx, off, n, nil)
+		return r.buf, r.err
+	}
+	ctx, cancel := context.WithCancel(sh.ctx)
+	defer cancel() // stops the loser
+	var state atomic.Int32
+	hedged := make(chan attemptResult, 1)
+	timer := time.AfterFunc(delay, func() {
+		if !state.CompareAndSwap(hedgeWaiting, hedgeStarted) {
+			return
+		}
+		if !s.allowHedge() || !s.slots.tryAcquire() {
+			hedged <- attemptResult{err: errNoHedge}
+			return
+		}
+		s.st.S3Hedges.Add(1)
+		sh.inflight.Add(1)
+		go func() {
+			defer sh.inflight.Done()
+			r := sh.attempt(ctx, off, n, nil)
+			hedged <- r
 			if r.err == nil {
-				return r.buf, nil
+				cancel() // the primary lost
 			}
-			if firstErr == nil || errors.Is(r.err, errPrecondition) {
-				firstErr = r.err
-			}
-			// A hedge may still deliver; a 412 will not get better.
-			if pending == 0 || !errors.Is(r.err, errRetryable) {
-				return nil, firstErr
-			}
-		}
+		}()
+	})
+	r := sh.attempt(ctx, off, n, func() { state.CompareAndSwap(hedgeWaiting, hedgeNever) })
+	timer.Stop()
+	if state.CompareAndSwap(hedgeWaiting, hedgeNever) || state.Load() == hedgeNever || r.err == nil {
+		return r.buf, r.err
 	}
+	// A hedge was tried and the primary failed.
+	if sh.ctx.Err() == nil && ctx.Err() != nil { // canceled by the hedge, which won
+		h := <-hedged
+		return h.buf, h.err
+	}
+	if !errors.Is(r.err, errRetryable) {
+		return nil, r.err // a changed object does not get better
+	}
+	h := <-hedged
+	switch {
+	case h.err == nil:
+		return h.buf, nil
+	case errors.Is(h.err, errPrecondition):
+		return nil, h.err
+	}
+	return nil, r.err
 }
 
-// allowHedge keeps hedges within HedgePercent of demand GETs.
+// allowHedge keeps hedges within HedgePercent of demand GETs (prefetch GETs are never hedged).
 func (s *Source) allowHedge() bool {
 	h := s.hedges.Add(1)
 	if h*100 > s.primaries.Load()*s.cfg.HedgePercent {
@@ -425,31 +446,32 @@ func (s *Source) allowHedge() bool {
 	return true
 }
 
-// attempt runs one GET holding a slot (taken by the caller) and reads the
-// whole body.
-func (sh *shard) attempt(ctx context.Context, off, n int64, firstByte chan<- struct{}, out chan<- attemptResult) {
+// attempt runs one GET holding a slot (taken by the caller, released here)
+// and reads the whole body; headers, when set, is called when the answer's
+// headers arrived.
+func (sh *shard) attempt(ctx context.Context, off, n int64, headers func()) attemptResult {
 	s := sh.src
-	defer func() { s.slots.release(); sh.inflight.Done() }()
+	defer s.slots.release()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.AttemptTimeout)
 	defer cancel()
 	s.st.S3Gets.Add(1)
 	start := time.Now()
 	body, err := s.c.GetRange(ctx, sh.key, off, n, sh.id.ETag)
 	if err != nil {
-		out <- attemptResult{err: timedOut(ctx, err)}
-		return
+		return attemptResult{err: timedOut(ctx, err)}
 	}
 	s.lat.add(time.Since(start))
-	firstByte <- struct{}{}
+	if headers != nil {
+		headers()
+	}
 	buf := make([]byte, n)
 	got, err := io.ReadFull(body, buf)
 	body.Close()
 	s.st.S3GetBytes.Add(uint64(got))
 	if err != nil {
-		out <- attemptResult{err: timedOut(ctx, retryablef("GET %s: range [%d, +%d): body cut short at %d bytes: %v", sh.key, off, n, got, err))}
-		return
+		return attemptResult{err: timedOut(ctx, retryablef("GET %s: range [%d, +%d): body cut short at %d bytes: %v", sh.key, off, n, got, err))}
 	}
-	out <- attemptResult{buf: buf}
+	return attemptResult{buf: buf}
 }
 
 // timedOut makes a GET that hit its own deadline retryable.
