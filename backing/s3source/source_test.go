@@ -382,13 +382,7 @@ func TestCloseCancelsGETs(t *testing.T) {
 // the rewritten shard fail with ErrShardChanged, other failures only after
 // every attempt failed.
 func TestSoakNoWrongBytes(t *testing.T) {
-	dir := t.TempDir()
-	spec := backing.DefaultSynth()
-	spec.Rows = 2048
-	spec.FlashGeometry()
-	if err := backing.Synthesize(dir, spec); err != nil {
-		t.Fatal(err)
-	}
+	dir := soakModel(t)
 	src, f, st := newFakeSource(t, dir, testConfig())
 	var rmu sync.Mutex
 	rng := rand.New(rand.NewPCG(11, 12))
@@ -409,6 +403,23 @@ func TestSoakNoWrongBytes(t *testing.T) {
 		}
 		return faultNone
 	}
+	soak(t, dir, src, st, func(name string, b []byte) { f.put("m/"+name, b) })
+}
+
+func soakModel(t *testing.T) string {
+	dir := t.TempDir()
+	spec := backing.DefaultSynth()
+	spec.Rows = 2048
+	spec.FlashGeometry()
+	if err := backing.Synthesize(dir, spec); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// soak reads rows of the model in dir at random through src, rewriting
+// one shard (with rewrite) halfway.
+func soak(t *testing.T, dir string, src backing.Source, st *stats.Counters, rewrite func(name string, b []byte)) {
 	m, err := backing.LoadSource(src, backing.DefaultTablePattern)
 	if err != nil {
 		t.Fatal(err)
@@ -426,6 +437,7 @@ func TestSoakNoWrongBytes(t *testing.T) {
 		}
 		shards[sh.Name] = b
 	}
+	rng := rand.New(rand.NewPCG(13, 14))
 	const reads = 4000
 	var (
 		mu                             sync.Mutex
@@ -441,16 +453,14 @@ func TestSoakNoWrongBytes(t *testing.T) {
 			for j := range b {
 				b[j] ^= 0xFF
 			}
-			f.put("m/"+rewritten, b)
+			rewrite(rewritten, b)
 			mu.Lock()
 			after = true
 			mu.Unlock()
 		}
-		rmu.Lock()
 		tb := m.Tables[rng.IntN(len(m.Tables))]
 		row := rng.Int64N(int64(tb.Rows))
 		rows := 1 + rng.Int64N(min(64, int64(tb.Rows)-row))
-		rmu.Unlock()
 		off, n := row*tb.RowBytes, int(rows*tb.RowBytes)
 		want := shards[tb.Shard.Name][tb.DataStart+off : tb.DataStart+off+int64(n)]
 		wg.Add(1)

@@ -5,8 +5,13 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	neturl "net/url"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 
 	"github.com/engramfs/engramfs/backing"
@@ -107,6 +112,71 @@ func TestStoreOnVersitygw(t *testing.T) {
 	if _, err := backing.Open(m, src, st); !errors.Is(err, backing.ErrShardChanged) {
 		t.Errorf("Open over a rewritten shard: %v, want ErrShardChanged", err)
 	}
+}
+
+// The soak through versitygw, behind a proxy that fails 20% of the GETs
+// (503, resets before the headers, bodies cut short, a 200 with other
+// bytes to a range request): not one wrong byte.
+func TestSoakVersitygw(t *testing.T) {
+	dir := soakModel(t)
+	srv := s3test.Start(t)
+	srv.Env(t)
+	srv.Bucket(t, "models")
+	url := srv.Upload(t, dir, "models", "dsv41/engram")
+	proxy := faultProxy(t, srv.Endpoint, 0.20)
+	cfg := testConfig()
+	cfg.Client = ClientConfig{Endpoint: proxy, PathStyle: true}
+	st := &stats.Counters{}
+	src, err := New(context.Background(), url, cfg, st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	soak(t, dir, src, st, func(name string, b []byte) { srv.Put(t, "models", "dsv41/engram/"+name, b) })
+}
+
+// faultProxy forwards requests to endpoint (Host kept: signatures stay
+// valid) and fails about rate of the ranged GETs.
+func faultProxy(t *testing.T, endpoint string, rate float64) string {
+	target, err := neturl.Parse(endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rp := httputil.NewSingleHostReverseProxy(target)
+	var mu sync.Mutex
+	rng := rand.New(rand.NewPCG(21, 22))
+	ps := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodGet || r.Header.Get("Range") == "" {
+			rp.ServeHTTP(w, r)
+			return
+		}
+		mu.Lock()
+		x := rng.Float64() / rate
+		mu.Unlock()
+		switch {
+		case x < 0.4:
+			http.Error(w, "<Error><Code>SlowDown</Code></Error>", http.StatusServiceUnavailable)
+		case x < 0.6:
+			panic(http.ErrAbortHandler) // reset before the headers
+		case x < 0.8:
+			rp.ServeHTTP(&cutWriter{ResponseWriter: w}, r) // the body ends early
+		case x < 1:
+			w.Header().Set("Content-Length", "8192")
+			_, _ = w.Write(make([]byte, 8192)) // a 200 of other bytes
+		default:
+			rp.ServeHTTP(w, r)
+		}
+	}))
+	t.Cleanup(ps.Close)
+	return ps.URL
+}
+
+// cutWriter passes half of the first body write, then aborts the
+// connection.
+type cutWriter struct{ http.ResponseWriter }
+
+func (c *cutWriter) Write(p []byte) (int, error) {
+	_, _ = c.ResponseWriter.Write(p[:len(p)/2])
+	panic(http.ErrAbortHandler)
 }
 
 func readLocal(dir string, tb *backing.Table, off int64, p []byte) (int, error) {
