@@ -49,6 +49,8 @@ type Config struct {
 	// (default 5). HedgePercent 0 turns hedging off.
 	HedgeFloor   time.Duration
 	HedgePercent uint64
+	// Mirror is the local SSD mirror of fetched pages (off by default).
+	Mirror MirrorConfig
 }
 
 // DefaultConfig returns the defaults of Config.
@@ -73,6 +75,8 @@ type Source struct {
 	lat       latency
 	primaries atomic.Uint64 // demand GETs that may be hedged
 	hedges    atomic.Uint64
+
+	mir *mirror // nil: no mirror
 }
 
 var _ backing.Source = (*Source)(nil)
@@ -149,7 +153,23 @@ func newSource(c objectClient, bucket, prefix string, cfg Config, st *stats.Coun
 		c: c, cfg: cfg, st: st, slots: newSlots(cfg.Concurrency),
 	}
 	s.lat.floor = cfg.HedgeFloor
+	if cfg.Mirror.Dir != "" {
+		m, err := openMirror(cfg.Mirror, st)
+		if err != nil {
+			return nil, err
+		}
+		s.mir = m
+	}
 	return s, nil
+}
+
+// Close stops the mirror's writer once the pages queued are written, and
+// releases the mirror directory. Shards must be closed first.
+func (s *Source) Close() error {
+	if s.mir == nil {
+		return nil
+	}
+	return s.mir.close()
 }
 
 func (s *Source) String() string { return strings.TrimSuffix(s.url, "/") }
@@ -175,7 +195,7 @@ func (s *Source) List(suffix string) ([]string, error) {
 // ReadFile reads a small object whole: a HEAD, then one GET conditional on
 // the ETag the HEAD saw.
 func (s *Source) ReadFile(name string, limit int64) ([]byte, error) {
-	sh, err := s.open(name)
+	sh, err := s.open(name, false)
 	if err != nil {
 		return nil, err
 	}
@@ -189,12 +209,13 @@ func (s *Source) ReadFile(name string, limit int64) ([]byte, error) {
 	return sh.fetch(0, sh.id.Size, true, false)
 }
 
-// Open opens shard name: one HEAD for its size and ETag.
+// Open opens shard name: one HEAD for its size and ETag; and its mirror,
+// discarded if it mirrors other bytes.
 func (s *Source) Open(name string) (backing.ShardFile, error) {
-	return s.open(name)
+	return s.open(name, true)
 }
 
-func (s *Source) open(name string) (*shard, error) {
+func (s *Source) open(name string, mirrored bool) (*shard, error) {
 	if !validName(name) {
 		return nil, fmt.Errorf("%s/%s: not a name inside the model", s, name)
 	}
@@ -203,8 +224,14 @@ func (s *Source) open(name string) (*shard, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s/%s: %w", s, name, err) // fs.ErrNotExist stays visible
 	}
+	var mf *mirrorFile
+	if mirrored && s.mir != nil && size > 0 {
+		if mf, err = s.mir.open(name, size, etag); err != nil {
+			return nil, fmt.Errorf("%s/%s: %w", s, name, err)
+		}
+	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &shard{src: s, name: name, key: key, id: backing.Identity{Size: size, ETag: etag}, ctx: ctx, cancel: cancel}, nil
+	return &shard{src: s, name: name, key: key, id: backing.Identity{Size: size, ETag: etag}, mir: mf, ctx: ctx, cancel: cancel}, nil
 }
 
 // validName accepts names with directories that stay inside the model.
@@ -223,6 +250,7 @@ type shard struct {
 	name string
 	key  string
 	id   backing.Identity
+	mir  *mirrorFile // nil: no mirror
 
 	ctx    context.Context // canceled by Close: GETs in flight stop
 	cancel context.CancelFunc
@@ -291,6 +319,54 @@ func (sh *shard) Submit(reads ...*backing.ShardRead) {
 			valid = append(valid, r)
 		}
 	}
+	if sh.mir != nil {
+		var hits []*backing.ShardRead
+		valid, hits = sh.splitMirrored(valid)
+		if len(hits) > 0 {
+			if !sh.enter(1) {
+				err := fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
+				for _, r := range hits {
+					r.Done(nil, err)
+				}
+			} else {
+				go sh.serveMirrored(hits)
+			}
+		}
+	}
+	sh.submitGETs(valid)
+}
+
+// splitMirrored splits reads into those that need a GET and those wholly
+// inside mirrored pages.
+func (sh *shard) splitMirrored(reads []*backing.ShardRead) (gets, hits []*backing.ShardRead) {
+	gets = reads[:0]
+	for _, r := range reads {
+		if sh.mir.covered(sh.id.ETag, r.Off, r.Len) {
+			hits = append(hits, r)
+		} else {
+			gets = append(gets, r)
+		}
+	}
+	return gets, hits
+}
+
+// serveMirrored answers reads from the mirror by pread; a read whose pages
+// were evicted meanwhile gets a GET.
+func (sh *shard) serveMirrored(reads []*backing.ShardRead) {
+	defer sh.inflight.Done()
+	var gets []*backing.ShardRead
+	for _, r := range reads {
+		if data, ok := sh.mir.read(sh.id.ETag, r.Off, r.Len); ok {
+			r.Done(data, nil)
+		} else {
+			gets = append(gets, r)
+		}
+	}
+	sh.submitGETs(gets)
+}
+
+// submitGETs merges reads into spans and starts a goroutine per span.
+func (sh *shard) submitGETs(valid []*backing.ShardRead) {
 	if len(valid) == 0 {
 		return
 	}
@@ -322,6 +398,9 @@ func (sh *shard) serve(sp span) {
 		sp.fail(err)
 		return
 	}
+	if sh.mir != nil {
+		sh.mir.put(sh.id.ETag, sp.off, buf)
+	}
 	sp.answer(buf)
 }
 
@@ -339,8 +418,14 @@ func (sh *shard) fetch(off, n int64, demand, hedge bool) ([]byte, error) {
 			return nil, fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
 		case errors.Is(err, errPrecondition):
 			sh.src.st.S3ETagFailures.Add(1)
+			if sh.mir != nil {
+				sh.mir.invalidate(sh.id.ETag) // never old bytes from here on
+			}
 			return nil, fmt.Errorf("%s: offset %d: %w: %v (ETag at mount %s)", sh.url(), off, backing.ErrShardChanged, err, sh.id.ETag)
 		case errors.Is(err, fs.ErrNotExist):
+			if sh.mir != nil {
+				sh.mir.invalidate(sh.id.ETag)
+			}
 			return nil, fmt.Errorf("%s: offset %d: %w: the object is gone: %v", sh.url(), off, backing.ErrShardChanged, err)
 		case !errors.Is(err, errRetryable) || attempt >= cfg.Attempts:
 			return nil, fmt.Errorf("%s: offset %d: %d attempts: %w", sh.url(), off, attempt, err)
