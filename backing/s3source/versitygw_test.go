@@ -114,6 +114,71 @@ func TestStoreOnVersitygw(t *testing.T) {
 	}
 }
 
+// The mirror against versitygw: pages fetched once are read with 0 GETs,
+// in this mount and the next (a new Source over the same directory); an
+// object rewritten between the mounts is fetched again, new bytes only.
+func TestMirrorVersitygw(t *testing.T) {
+	dir := synth(t)
+	srv := s3test.Start(t)
+	srv.Env(t)
+	srv.Bucket(t, "models")
+	url := srv.Upload(t, dir, "models", "dsv41/engram")
+	mdir := t.TempDir()
+	mount := func() (*Source, backing.ShardFile, *stats.Counters) {
+		cfg := DefaultConfig()
+		cfg.Client = ClientConfig{Endpoint: srv.Endpoint, PathStyle: true}
+		cfg.Mirror = MirrorConfig{Dir: mdir, Size: 64 << 20}
+		st := &stats.Counters{}
+		src, err := New(context.Background(), url, cfg, st)
+		if err != nil {
+			t.Fatal(err)
+		}
+		names, err := src.List(".safetensors")
+		if err != nil {
+			t.Fatal(err)
+		}
+		sf, err := src.Open(names[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return src, sf, st
+	}
+	src, sf, st := mount()
+	name := sf.(*shard).name
+	want, err := os.ReadFile(filepath.Join(dir, name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	offs := []int64{0, 8192, 1 << 20, int64(len(want)) / 4096 * 4096 / 2}
+	check(t, sf, want, offs, 4096)
+	src.mir.sync()
+	gets := st.S3Gets.Load()
+	check(t, sf, want, offs, 4096)
+	if st.S3Gets.Load() != gets {
+		t.Errorf("%d GETs for mirrored pages, want 0", st.S3Gets.Load()-gets)
+	}
+	closeAll(t, sf, src)
+
+	src, sf, st = mount()
+	check(t, sf, want, offs, 4096)
+	if st.S3Gets.Load() != 0 || st.MirrorHits.Load() != uint64(len(offs)) {
+		t.Errorf("remount: %d GETs (want 0), %d mirror hits (want %d)", st.S3Gets.Load(), st.MirrorHits.Load(), len(offs))
+	}
+	closeAll(t, sf, src)
+
+	changed := bytes.Clone(want)
+	for i := range changed {
+		changed[i] ^= 0x3C
+	}
+	srv.Put(t, "models", "dsv41/engram/"+name, changed)
+	src, sf, st = mount()
+	check(t, sf, changed, offs, 4096)
+	if st.S3Gets.Load() == 0 || st.S3Gets.Load() != st.BackingReads.Load() || st.MirrorHits.Load() != 0 {
+		t.Errorf("after a rewrite: %d GETs (want one per merged read, %d), %d mirror hits (want 0)", st.S3Gets.Load(), st.BackingReads.Load(), st.MirrorHits.Load())
+	}
+	closeAll(t, sf, src)
+}
+
 // The soak through versitygw, behind a proxy that fails 20% of the GETs
 // (503, resets before the headers, bodies cut short, a 200 with other
 // bytes to a range request): not one wrong byte.
