@@ -26,6 +26,9 @@ type MirrorConfig struct {
 	Size int64
 }
 
+// MirrorExtent is the unit of the mirror's eviction: 2 MiB of a shard.
+const MirrorExtent = 2 << 20
+
 // The mirror of a shard is two files in the mirror directory, named after
 // the shard (path-escaped):
 //
@@ -41,8 +44,8 @@ type MirrorConfig struct {
 // at open is discarded.
 const (
 	mirrorPage   = 4096
-	mirrorExtent = 2 << 20 // the unit of eviction
-	mirrorHeader = 4096    // bytes of NAME.meta before the bitmap
+	mirrorExtent = MirrorExtent
+	mirrorHeader = 4096 // bytes of NAME.meta before the bitmap
 	mirrorMagic  = "EGMIRR01"
 	// mirrorQueue bounds the pages waiting to be written: the mirror is
 	// best effort, and a full queue drops (never blocks a read).
@@ -103,6 +106,9 @@ type extent struct {
 	pages int64        // GUARDED_BY(m.mu): its pages whose bit is set
 	stamp atomic.Int64 // the mirror's clock when last read or written
 }
+
+// Mirror is the mirror's configuration (Dir "": none).
+func (s *Source) Mirror() MirrorConfig { return s.cfg.Mirror }
 
 func openMirror(cfg MirrorConfig, st *stats.Counters) (*mirror, error) {
 	if cfg.Size < mirrorExtent {
