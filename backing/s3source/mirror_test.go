@@ -111,11 +111,15 @@ func TestMirrorServesAndSurvivesRemount(t *testing.T) {
 	}
 	check(t, sf, want, append(offs, 8192), 4096)
 	check(t, sf, want, []int64{last}, 5096)
+	hdr := make([]byte, 4000) // ReadAt (headers) reads the mirror too
+	if n, err := sf.ReadAt(hdr, 3<<20+50); err != nil || n != len(hdr) || !bytes.Equal(hdr, want[3<<20+50:3<<20+4050]) {
+		t.Fatalf("ReadAt from the mirror: %d, %v, or wrong bytes", n, err)
+	}
 	if got := st.S3Gets.Load(); got != 0 {
 		t.Errorf("after a remount: %d GETs for mirrored pages, want 0", got)
 	}
-	if st.MirrorHits.Load() != 6 {
-		t.Errorf("after a remount: %d mirror hits, want 6", st.MirrorHits.Load())
+	if st.MirrorHits.Load() != 7 {
+		t.Errorf("after a remount: %d mirror hits, want 7", st.MirrorHits.Load())
 	}
 	closeAll(t, sf, src)
 }

@@ -266,8 +266,8 @@ var _ backing.ShardFile = (*shard)(nil)
 func (sh *shard) url() string                { return sh.src.String() + "/" + sh.name }
 func (sh *shard) Identity() backing.Identity { return sh.id }
 
-// ReadAt reads synchronously (headers): one GET in the demand lane (a
-// caller waits), retried, not hedged.
+// ReadAt reads synchronously (headers): from the mirror, or one GET in the
+// demand lane (a caller waits), retried, not hedged.
 func (sh *shard) ReadAt(p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, fmt.Errorf("%s: negative offset %d", sh.url(), off)
@@ -283,9 +283,18 @@ func (sh *shard) ReadAt(p []byte, off int64) (int, error) {
 		return 0, fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
 	}
 	defer sh.inflight.Done()
-	data, err := sh.fetch(off, n, true, false)
-	if err != nil {
-		return 0, err
+	var data []byte
+	if sh.mir != nil {
+		data, _ = sh.mir.read(sh.id.ETag, off, int(n))
+	}
+	if data == nil {
+		var err error
+		if data, err = sh.fetch(off, n, true, false); err != nil {
+			return 0, err
+		}
+		if sh.mir != nil {
+			sh.mir.put(sh.id.ETag, off, data)
+		}
 	}
 	copy(p, data)
 	if n < int64(len(p)) {
