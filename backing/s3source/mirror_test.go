@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/backing/sourcetest"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -300,4 +301,17 @@ func TestMirrorDirLocked(t *testing.T) {
 	if _, err := newSource(f, "bucket", "m/", cfg, nil); err == nil {
 		t.Error("a second Source over a mirror directory in use: no error")
 	}
+}
+
+// The conformance suite with a mirror: the same bytes and failures.
+func TestConformanceFakeMirror(t *testing.T) {
+	sourcetest.Run(t, func(t *testing.T, dir string) backing.Source {
+		f := newFakeStore()
+		if err := f.upload(dir, "m/"); err != nil {
+			t.Fatal(err)
+		}
+		src, _ := mirrorSource(t, f, t.TempDir(), 64<<20)
+		t.Cleanup(func() { src.Close() })
+		return src
+	})
 }

@@ -41,6 +41,16 @@ func TestConformanceVersitygw(t *testing.T) {
 	})
 }
 
+func TestConformanceVersitygwMirror(t *testing.T) {
+	sourcetest.Run(t, func(t *testing.T, dir string) backing.Source {
+		cfg := DefaultConfig()
+		cfg.Mirror = MirrorConfig{Dir: t.TempDir(), Size: 64 << 20}
+		src, _, _ := newServerSource(t, dir, cfg, nil)
+		t.Cleanup(func() { src.Close() })
+		return src
+	})
+}
+
 // A synthetic model uploaded to versitygw reads byte-exact through
 // LoadSource and the Store, rows picked at random; then a shard rewritten
 // under the open store fails with ErrShardChanged, never with new bytes.
@@ -196,7 +206,7 @@ func TestSoakVersitygw(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	soak(t, dir, src, st, func(name string, b []byte) { srv.Put(t, "models", "dsv41/engram/"+name, b) })
+	soak(t, dir, src, st, func(name string, b []byte) { srv.Put(t, "models", "dsv41/engram/"+name, b) }, false)
 }
 
 // faultProxy forwards requests to endpoint (Host kept: signatures stay
