@@ -21,8 +21,9 @@ import (
 )
 
 // The benchmarks compare the client CPU of one 4 KiB ranged GET through
-// the SDK client and through the whole Source (merging, slots, hedge timer,
-// retries) with a bare net/http GET of the same range, against the same
+// the data path (signed net/http), the SDK's GetObject and the whole
+// Source (merging, slots, hedge timer, retries) with a bare net/http GET of
+// the same range, against the same
 // minimal server. The server runs in a child process (this test binary
 // again), so the CPU measured (getrusage of this process, reported as
 // cpu-ns/op) is the client's alone.
@@ -166,17 +167,20 @@ func benchEnv(b *testing.B) {
 	b.Setenv("AWS_EC2_METADATA_DISABLED", "true")
 }
 
-func BenchmarkGetRangeSDK(b *testing.B) {
+func benchClient(b *testing.B) *sdkClient {
 	addr := startBenchServer(b)
 	benchEnv(b)
-	c, err := newSDKClient(context.Background(), "bucket", ClientConfig{Endpoint: "http://" + addr, PathStyle: true, Conns: 64})
+	c, err := newSDKClient(context.Background(), "bench", ClientConfig{Endpoint: "http://" + addr, PathStyle: true, Conns: 64})
 	if err != nil {
 		b.Fatal(err)
 	}
-	c.bucket = "bench"
+	return c
+}
+
+func benchGet(b *testing.B, get func(ctx context.Context, key string, off, n int64, etag string) (io.ReadCloser, error)) {
 	buf := make([]byte, 4096)
 	measure(b, func(off int64) error {
-		body, err := c.GetRange(context.Background(), "object", off, 4096, benchETag)
+		body, err := get(context.Background(), "object", off, 4096, benchETag)
 		if err != nil {
 			return err
 		}
@@ -186,7 +190,25 @@ func BenchmarkGetRangeSDK(b *testing.B) {
 	})
 }
 
-func BenchmarkGetRangeSource(b *testing.B) {
+// BenchmarkGetRangeSigned is the data path: net/http signed with SigV4.
+func BenchmarkGetRangeSigned(b *testing.B) {
+	c := benchClient(b)
+	benchGet(b, c.GetRange)
+}
+
+// BenchmarkGetRangeSDK is the SDK's GetObject, for reference.
+func BenchmarkGetRangeSDK(b *testing.B) {
+	c := benchClient(b)
+	benchGet(b, c.getRangeSDK)
+}
+
+// BenchmarkGetRangeSource is a prefetch read through the whole Source
+// (slots, retries; no hedge timer); BenchmarkGetRangeSourceDemand a fault
+// (the demand lane, hedge timer armed).
+func BenchmarkGetRangeSource(b *testing.B)       { benchSource(b, false) }
+func BenchmarkGetRangeSourceDemand(b *testing.B) { benchSource(b, true) }
+
+func benchSource(b *testing.B, demand bool) {
 	addr := startBenchServer(b)
 	benchEnv(b)
 	cfg := DefaultConfig()
@@ -202,7 +224,7 @@ func BenchmarkGetRangeSource(b *testing.B) {
 	defer sf.Close()
 	done := make(chan error, 1)
 	measure(b, func(off int64) error {
-		sf.Submit(&backing.ShardRead{Off: off, Len: 4096, Done: func(_ []byte, err error) { done <- err }})
+		sf.Submit(&backing.ShardRead{Off: off, Len: 4096, Demand: demand, Done: func(_ []byte, err error) { done <- err }})
 		return <-done
 	})
 }

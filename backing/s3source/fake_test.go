@@ -42,7 +42,10 @@ type fakeStore struct {
 	fault func(g getReq, nth int) fault
 	// latency is the wait before a GET's headers; nil: none.
 	latency func(g getReq, nth int) time.Duration
-	seen    map[getReq]int // GUARDED_BY(mu): GETs per range so far
+	// hold, when it returns a channel, holds a GET's headers until the
+	// channel closes (or the GET is canceled); nil: no hold.
+	hold func(g getReq, nth int) <-chan struct{}
+	seen map[getReq]int // GUARDED_BY(mu): GETs per range so far
 }
 
 type fakeObject struct {
@@ -127,7 +130,18 @@ func (f *fakeStore) GetRange(ctx context.Context, key string, off, n int64, etag
 	if f.latency != nil {
 		lat = f.latency(g, nth)
 	}
+	var hold <-chan struct{}
+	if f.hold != nil {
+		hold = f.hold(g, nth)
+	}
 	f.mu.Unlock()
+	if hold != nil {
+		select {
+		case <-hold:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("GET %s: %w", key, ctx.Err())
+		}
+	}
 	if lat > 0 {
 		select {
 		case <-time.After(lat):

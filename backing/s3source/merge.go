@@ -10,6 +10,7 @@ import (
 type span struct {
 	off, n int64
 	reads  []*backing.ShardRead // sorted by Off
+	demand bool                 // a reader is blocked on one of the reads
 }
 
 // plan merges reads submitted together into spans: a read joins the span
@@ -37,10 +38,11 @@ func plan(reads []*backing.ShardRead, gap, max int64) []span {
 			if r.Off <= s.off+s.n+gap && max64(end, s.off+s.n)-s.off <= max {
 				s.n = max64(end, s.off+s.n) - s.off
 				s.reads = append(s.reads, r)
+				s.demand = s.demand || r.Demand
 				continue
 			}
 		}
-		spans = append(spans, span{off: r.Off, n: int64(r.Len), reads: []*backing.ShardRead{r}})
+		spans = append(spans, span{off: r.Off, n: int64(r.Len), reads: []*backing.ShardRead{r}, demand: r.Demand})
 	}
 	return spans
 }

@@ -4,8 +4,9 @@
 // It asks for the bytes the loader asks for and no more (no readahead: a
 // 4 KiB page costs one ranged GET of 4 KiB, where object-store filesystems
 // move 1-4 MiB per random read), merges reads submitted together that lie
-// within MergeGap of each other into one GET, hedges GETs that have no first
-// byte after the recent p95, and retries what a store fails transiently.
+// within MergeGap of each other into one GET, serves demand reads (faults)
+// before queued prefetch reads, hedges demand GETs that have no first byte
+// after the recent p95, and retries what a store fails transiently.
 // Every GET is conditional on the ETag seen at mount (If-Match): an object
 // rewritten under a live mount fails with backing.ErrShardChanged, never
 // with new or mixed bytes.
@@ -48,6 +49,8 @@ type Config struct {
 	// (default 5). HedgePercent 0 turns hedging off.
 	HedgeFloor   time.Duration
 	HedgePercent uint64
+	// Mirror is the local SSD mirror of fetched pages (off by default).
+	Mirror MirrorConfig
 }
 
 // DefaultConfig returns the defaults of Config.
@@ -68,10 +71,12 @@ type Source struct {
 	cfg    Config
 	st     *stats.Counters
 
-	sem       chan struct{} // a slot per GET in flight
+	slots     *slots // a slot per GET in flight; demand GETs first
 	lat       latency
 	primaries atomic.Uint64 // demand GETs that may be hedged
 	hedges    atomic.Uint64
+
+	mir *mirror // nil: no mirror
 }
 
 var _ backing.Source = (*Source)(nil)
@@ -145,10 +150,26 @@ func newSource(c objectClient, bucket, prefix string, cfg Config, st *stats.Coun
 	cfg = withDefaults(cfg)
 	s := &Source{
 		url: "s3://" + bucket + "/" + strings.TrimSuffix(prefix, "/"), prefix: prefix,
-		c: c, cfg: cfg, st: st, sem: make(chan struct{}, cfg.Concurrency),
+		c: c, cfg: cfg, st: st, slots: newSlots(cfg.Concurrency),
 	}
 	s.lat.floor = cfg.HedgeFloor
+	if cfg.Mirror.Dir != "" {
+		m, err := openMirror(cfg.Mirror, st)
+		if err != nil {
+			return nil, err
+		}
+		s.mir = m
+	}
 	return s, nil
+}
+
+// Close stops the mirror's writer once the pages queued are written, and
+// releases the mirror directory. Shards must be closed first.
+func (s *Source) Close() error {
+	if s.mir == nil {
+		return nil
+	}
+	return s.mir.close()
 }
 
 func (s *Source) String() string { return strings.TrimSuffix(s.url, "/") }
@@ -174,7 +195,7 @@ func (s *Source) List(suffix string) ([]string, error) {
 // ReadFile reads a small object whole: a HEAD, then one GET conditional on
 // the ETag the HEAD saw.
 func (s *Source) ReadFile(name string, limit int64) ([]byte, error) {
-	sh, err := s.open(name)
+	sh, err := s.open(name, false)
 	if err != nil {
 		return nil, err
 	}
@@ -185,15 +206,16 @@ func (s *Source) ReadFile(name string, limit int64) ([]byte, error) {
 	if sh.id.Size == 0 {
 		return []byte{}, nil
 	}
-	return sh.fetch(0, sh.id.Size, false)
+	return sh.fetch(0, sh.id.Size, true, false)
 }
 
-// Open opens shard name: one HEAD for its size and ETag.
+// Open opens shard name: one HEAD for its size and ETag; and its mirror,
+// discarded if it mirrors other bytes.
 func (s *Source) Open(name string) (backing.ShardFile, error) {
-	return s.open(name)
+	return s.open(name, true)
 }
 
-func (s *Source) open(name string) (*shard, error) {
+func (s *Source) open(name string, mirrored bool) (*shard, error) {
 	if !validName(name) {
 		return nil, fmt.Errorf("%s/%s: not a name inside the model", s, name)
 	}
@@ -202,8 +224,14 @@ func (s *Source) open(name string) (*shard, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s/%s: %w", s, name, err) // fs.ErrNotExist stays visible
 	}
+	var mf *mirrorFile
+	if mirrored && s.mir != nil && size > 0 {
+		if mf, err = s.mir.open(name, size, etag); err != nil {
+			return nil, fmt.Errorf("%s/%s: %w", s, name, err)
+		}
+	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &shard{src: s, name: name, key: key, id: backing.Identity{Size: size, ETag: etag}, ctx: ctx, cancel: cancel}, nil
+	return &shard{src: s, name: name, key: key, id: backing.Identity{Size: size, ETag: etag}, mir: mf, ctx: ctx, cancel: cancel}, nil
 }
 
 // validName accepts names with directories that stay inside the model.
@@ -222,6 +250,7 @@ type shard struct {
 	name string
 	key  string
 	id   backing.Identity
+	mir  *mirrorFile // nil: no mirror
 
 	ctx    context.Context // canceled by Close: GETs in flight stop
 	cancel context.CancelFunc
@@ -237,7 +266,8 @@ var _ backing.ShardFile = (*shard)(nil)
 func (sh *shard) url() string                { return sh.src.String() + "/" + sh.name }
 func (sh *shard) Identity() backing.Identity { return sh.id }
 
-// ReadAt reads synchronously (headers): one GET, retried, not hedged.
+// ReadAt reads synchronously (headers): from the mirror, or one GET in the
+// demand lane (a caller waits), retried, not hedged.
 func (sh *shard) ReadAt(p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, fmt.Errorf("%s: negative offset %d", sh.url(), off)
@@ -253,9 +283,18 @@ func (sh *shard) ReadAt(p []byte, off int64) (int, error) {
 		return 0, fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
 	}
 	defer sh.inflight.Done()
-	data, err := sh.fetch(off, n, false)
-	if err != nil {
-		return 0, err
+	var data []byte
+	if sh.mir != nil {
+		data, _ = sh.mir.read(sh.id.ETag, off, int(n))
+	}
+	if data == nil {
+		var err error
+		if data, err = sh.fetch(off, n, true, false); err != nil {
+			return 0, err
+		}
+		if sh.mir != nil {
+			sh.mir.put(sh.id.ETag, off, data)
+		}
 	}
 	copy(p, data)
 	if n < int64(len(p)) {
@@ -289,6 +328,54 @@ func (sh *shard) Submit(reads ...*backing.ShardRead) {
 			valid = append(valid, r)
 		}
 	}
+	if sh.mir != nil {
+		var hits []*backing.ShardRead
+		valid, hits = sh.splitMirrored(valid)
+		if len(hits) > 0 {
+			if !sh.enter(1) {
+				err := fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
+				for _, r := range hits {
+					r.Done(nil, err)
+				}
+			} else {
+				go sh.serveMirrored(hits)
+			}
+		}
+	}
+	sh.submitGETs(valid)
+}
+
+// splitMirrored splits reads into those that need a GET and those wholly
+// inside mirrored pages.
+func (sh *shard) splitMirrored(reads []*backing.ShardRead) (gets, hits []*backing.ShardRead) {
+	gets = reads[:0]
+	for _, r := range reads {
+		if sh.mir.covered(sh.id.ETag, r.Off, r.Len) {
+			hits = append(hits, r)
+		} else {
+			gets = append(gets, r)
+		}
+	}
+	return gets, hits
+}
+
+// serveMirrored answers reads from the mirror by pread; a read whose pages
+// were evicted meanwhile gets a GET.
+func (sh *shard) serveMirrored(reads []*backing.ShardRead) {
+	defer sh.inflight.Done()
+	var gets []*backing.ShardRead
+	for _, r := range reads {
+		if data, ok := sh.mir.read(sh.id.ETag, r.Off, r.Len); ok {
+			r.Done(data, nil)
+		} else {
+			gets = append(gets, r)
+		}
+	}
+	sh.submitGETs(gets)
+}
+
+// submitGETs merges reads into spans and starts a goroutine per span.
+func (sh *shard) submitGETs(valid []*backing.ShardRead) {
 	if len(valid) == 0 {
 		return
 	}
@@ -311,22 +398,27 @@ func (sh *shard) Submit(reads ...*backing.ShardRead) {
 	}
 }
 
-// serve answers one span with one (hedged, retried) GET.
+// serve answers one span with one retried GET; a demand span (a reader
+// is blocked on one of its reads) goes in the demand lane and is hedged.
 func (sh *shard) serve(sp span) {
 	defer sh.inflight.Done()
-	buf, err := sh.fetch(sp.off, sp.n, true)
+	buf, err := sh.fetch(sp.off, sp.n, sp.demand, sp.demand)
 	if err != nil {
 		sp.fail(err)
 		return
+	}
+	if sh.mir != nil {
+		sh.mir.put(sh.id.ETag, sp.off, buf)
 	}
 	sp.answer(buf)
 }
 
 // fetch GETs bytes [off, off+n), retrying what may succeed another time.
-func (sh *shard) fetch(off, n int64, hedge bool) ([]byte, error) {
+// demand picks the lane; hedge allows a hedged GET.
+func (sh *shard) fetch(off, n int64, demand, hedge bool) ([]byte, error) {
 	cfg := &sh.src.cfg
 	for attempt := 1; ; attempt++ {
-		buf, err := sh.get(off, n, hedge)
+		buf, err := sh.get(off, n, demand, hedge)
 		if err == nil {
 			return buf, nil
 		}
@@ -335,8 +427,14 @@ func (sh *shard) fetch(off, n int64, hedge bool) ([]byte, error) {
 			return nil, fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
 		case errors.Is(err, errPrecondition):
 			sh.src.st.S3ETagFailures.Add(1)
+			if sh.mir != nil {
+				sh.mir.invalidate(sh.id.ETag) // never old bytes from here on
+			}
 			return nil, fmt.Errorf("%s: offset %d: %w: %v (ETag at mount %s)", sh.url(), off, backing.ErrShardChanged, err, sh.id.ETag)
 		case errors.Is(err, fs.ErrNotExist):
+			if sh.mir != nil {
+				sh.mir.invalidate(sh.id.ETag)
+			}
 			return nil, fmt.Errorf("%s: offset %d: %w: the object is gone: %v", sh.url(), off, backing.ErrShardChanged, err)
 		case !errors.Is(err, errRetryable) || attempt >= cfg.Attempts:
 			return nil, fmt.Errorf("%s: offset %d: %d attempts: %w", sh.url(), off, attempt, err)
@@ -357,63 +455,82 @@ type attemptResult struct {
 	err error
 }
 
-// get is one try at bytes [off, off+n): a GET, and when hedge is set and
-// no first byte came after the adaptive p95, a second GET; the first to
-// deliver the whole body wins and the other is canceled.
-func (sh *shard) get(off, n int64, hedge bool) ([]byte, error) {
+// errNoHedge: the hedge timer fired but the hedge budget or the slots
+// allowed no hedge.
+var errNoHedge = errors.New("no hedge")
+
+// Hedge states of one get.
+const (
+	hedgeWaiting = iota // the GET has no answer yet: a hedge may start
+	hedgeNever          // the GET is answering, or done: no hedge
+	hedgeStarted        // the timer fired: a result (errNoHedge at least) will come
+)
+
+// get is one try at bytes [off, off+n): a GET in this goroutine and, when
+// hedge is set and it has no answer after the adaptive p95, a second GET;
+// the first to deliver the whole body wins and the other is canceled. A
+// GET that is not hedged costs no goroutine, channel or timer.
+func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 	s := sh.src
-	select {
-	case s.sem <- struct{}{}:
-	case <-sh.ctx.Done():
-		return nil, sh.ctx.Err()
+	if err := s.slots.acquire(sh.ctx, demand); err != nil {
+		return nil, err
+	}
+	var delay time.Duration
+	if hedge && s.cfg.HedgePercent > 0 {
+		s.primaries.Add(1)
+		delay = s.lat.delay()
+	}
+	if delay == 0 {
+		r := sh.attempt(sh.ctx, off, n, nil)
+		return r.buf, r.err
 	}
 	ctx, cancel := context.WithCancel(sh.ctx)
 	defer cancel() // stops the loser
-	results := make(chan attemptResult, 2)
-	firstByte := make(chan struct{}, 2)
-	sh.inflight.Add(1)
-	go sh.attempt(ctx, off, n, firstByte, results)
-	pending := 1
-
-	var timer <-chan time.Time
-	if hedge && s.cfg.HedgePercent > 0 {
-		s.primaries.Add(1)
-		if d := s.lat.delay(); d > 0 {
-			t := time.NewTimer(d)
-			defer t.Stop()
-			timer = t.C
+	var state atomic.Int32
+	hedged := make(chan attemptResult, 1)
+	timer := time.AfterFunc(delay, func() {
+		if !state.CompareAndSwap(hedgeWaiting, hedgeStarted) {
+			return
 		}
-	}
-	var firstErr error
-	for {
-		select {
-		case <-firstByte:
-			timer = nil // the GET is answering: no hedge
-		case <-timer:
-			timer = nil
-			if s.allowHedge() && s.trySlot() {
-				s.st.S3Hedges.Add(1)
-				sh.inflight.Add(1)
-				go sh.attempt(ctx, off, n, firstByte, results)
-				pending++
-			}
-		case r := <-results:
-			pending--
+		if !s.allowHedge() || !s.slots.tryAcquire() {
+			hedged <- attemptResult{err: errNoHedge}
+			return
+		}
+		s.st.S3Hedges.Add(1)
+		sh.inflight.Add(1)
+		go func() {
+			defer sh.inflight.Done()
+			r := sh.attempt(ctx, off, n, nil)
+			hedged <- r
 			if r.err == nil {
-				return r.buf, nil
+				cancel() // the primary lost
 			}
-			if firstErr == nil || errors.Is(r.err, errPrecondition) {
-				firstErr = r.err
-			}
-			// A hedge may still deliver; a 412 will not get better.
-			if pending == 0 || !errors.Is(r.err, errRetryable) {
-				return nil, firstErr
-			}
-		}
+		}()
+	})
+	r := sh.attempt(ctx, off, n, func() { state.CompareAndSwap(hedgeWaiting, hedgeNever) })
+	timer.Stop()
+	if state.CompareAndSwap(hedgeWaiting, hedgeNever) || state.Load() == hedgeNever || r.err == nil {
+		return r.buf, r.err
 	}
+	// A hedge was tried and the primary failed.
+	if sh.ctx.Err() == nil && ctx.Err() != nil { // canceled by the hedge, which won
+		h := <-hedged
+		return h.buf, h.err
+	}
+	if !errors.Is(r.err, errRetryable) {
+		return nil, r.err // a changed object does not get better
+	}
+	h := <-hedged
+	switch {
+	case h.err == nil:
+		return h.buf, nil
+	case errors.Is(h.err, errPrecondition):
+		return nil, h.err
+	}
+	return nil, r.err
 }
 
-// allowHedge keeps hedges within HedgePercent of demand GETs.
+// allowHedge keeps hedges within HedgePercent of demand GETs (prefetch GETs are never hedged).
 func (s *Source) allowHedge() bool {
 	h := s.hedges.Add(1)
 	if h*100 > s.primaries.Load()*s.cfg.HedgePercent {
@@ -423,41 +540,32 @@ func (s *Source) allowHedge() bool {
 	return true
 }
 
-// trySlot takes a GET slot if one is free: a hedge never waits for one.
-func (s *Source) trySlot() bool {
-	select {
-	case s.sem <- struct{}{}:
-		return true
-	default:
-		return false
-	}
-}
-
-// attempt runs one GET holding a slot (taken by the caller) and reads the
-// whole body.
-func (sh *shard) attempt(ctx context.Context, off, n int64, firstByte chan<- struct{}, out chan<- attemptResult) {
+// attempt runs one GET holding a slot (taken by the caller, released here)
+// and reads the whole body; headers, when set, is called when the answer's
+// headers arrived.
+func (sh *shard) attempt(ctx context.Context, off, n int64, headers func()) attemptResult {
 	s := sh.src
-	defer func() { <-s.sem; sh.inflight.Done() }()
+	defer s.slots.release()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.AttemptTimeout)
 	defer cancel()
 	s.st.S3Gets.Add(1)
 	start := time.Now()
 	body, err := s.c.GetRange(ctx, sh.key, off, n, sh.id.ETag)
 	if err != nil {
-		out <- attemptResult{err: timedOut(ctx, err)}
-		return
+		return attemptResult{err: timedOut(ctx, err)}
 	}
 	s.lat.add(time.Since(start))
-	firstByte <- struct{}{}
+	if headers != nil {
+		headers()
+	}
 	buf := make([]byte, n)
 	got, err := io.ReadFull(body, buf)
 	body.Close()
 	s.st.S3GetBytes.Add(uint64(got))
 	if err != nil {
-		out <- attemptResult{err: timedOut(ctx, retryablef("GET %s: range [%d, +%d): body cut short at %d bytes: %v", sh.key, off, n, got, err))}
-		return
+		return attemptResult{err: timedOut(ctx, retryablef("GET %s: range [%d, +%d): body cut short at %d bytes: %v", sh.key, off, n, got, err))}
 	}
-	out <- attemptResult{buf: buf}
+	return attemptResult{buf: buf}
 }
 
 // timedOut makes a GET that hit its own deadline retryable.

@@ -146,15 +146,22 @@ func shardBytes(t *testing.T, dir string, src *Source) ([]byte, backing.ShardFil
 	return want, sf
 }
 
-// readPages submits the pages at offs in one call and waits.
+// readPages submits the pages at offs in one call, as prefetch reads, and
+// waits.
 func readPages(t *testing.T, sf backing.ShardFile, offs []int64, n int) ([][]byte, []error) {
+	t.Helper()
+	return readPagesAs(t, sf, offs, n, false)
+}
+
+// readPagesAs is readPages with the reads' Demand flag.
+func readPagesAs(t *testing.T, sf backing.ShardFile, offs []int64, n int, demand bool) ([][]byte, []error) {
 	t.Helper()
 	data, errs := make([][]byte, len(offs)), make([]error, len(offs))
 	var wg sync.WaitGroup
 	wg.Add(len(offs))
 	reads := make([]*backing.ShardRead, len(offs))
 	for i, off := range offs {
-		reads[i] = &backing.ShardRead{Off: off, Len: n, Done: func(b []byte, err error) {
+		reads[i] = &backing.ShardRead{Off: off, Len: n, Demand: demand, Done: func(b []byte, err error) {
 			data[i], errs[i] = b, err
 			wg.Done()
 		}}
@@ -284,7 +291,7 @@ func TestMergesNearbyReads(t *testing.T) {
 	}
 }
 
-// A GET with no first byte after the p95 gets a second GET, which
+// A demand GET with no first byte after the p95 gets a second GET, which
 // answers; hedges stay within 5% of GETs.
 func TestHedgesSlowGETs(t *testing.T) {
 	dir := synth(t)
@@ -304,14 +311,14 @@ func TestHedgesSlowGETs(t *testing.T) {
 	// Warm the latency window: 200 fast GETs, one at a time.
 	for i := 0; i < 200; i++ {
 		off := rng.Int64N(size/4096) * 4096
-		if _, errs := readPages(t, sf, []int64{off}, min(4096, int(size-off))); errs[0] != nil {
+		if _, errs := readPagesAs(t, sf, []int64{off}, min(4096, int(size-off)), true); errs[0] != nil {
 			t.Fatal(errs[0])
 		}
 	}
 	// Two stalled GETs: both hedged, both answered by the hedge.
 	for _, off := range []int64{8192, 1 << 20} {
 		slow.Store(getReq{"m/" + sf.(*shard).name, off, 4096}, true)
-		data, errs := readPages(t, sf, []int64{off}, 4096)
+		data, errs := readPagesAs(t, sf, []int64{off}, 4096, true)
 		if errs[0] != nil || !bytes.Equal(data[0], want[off:off+4096]) {
 			t.Fatalf("stalled page at %d: %v, or wrong bytes", off, errs[0])
 		}
@@ -334,7 +341,7 @@ func TestHedgesSlowGETs(t *testing.T) {
 	before := st.S3Hedges.Load()
 	for i := 0; i < 50; i++ {
 		off := rng.Int64N(size/4096-1) * 4096
-		if _, errs := readPages(t, sf, []int64{off}, 4096); errs[0] != nil {
+		if _, errs := readPagesAs(t, sf, []int64{off}, 4096, true); errs[0] != nil {
 			t.Fatal(errs[0])
 		}
 	}
@@ -375,13 +382,7 @@ func TestCloseCancelsGETs(t *testing.T) {
 // the rewritten shard fail with ErrShardChanged, other failures only after
 // every attempt failed.
 func TestSoakNoWrongBytes(t *testing.T) {
-	dir := t.TempDir()
-	spec := backing.DefaultSynth()
-	spec.Rows = 2048
-	spec.FlashGeometry()
-	if err := backing.Synthesize(dir, spec); err != nil {
-		t.Fatal(err)
-	}
+	dir := soakModel(t)
 	src, f, st := newFakeSource(t, dir, testConfig())
 	var rmu sync.Mutex
 	rng := rand.New(rand.NewPCG(11, 12))
@@ -402,6 +403,26 @@ func TestSoakNoWrongBytes(t *testing.T) {
 		}
 		return faultNone
 	}
+	soak(t, dir, src, st, func(name string, b []byte) { f.put("m/"+name, b) }, false)
+}
+
+func soakModel(t *testing.T) string {
+	dir := t.TempDir()
+	spec := backing.DefaultSynth()
+	spec.Rows = 2048
+	spec.FlashGeometry()
+	if err := backing.Synthesize(dir, spec); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// soak reads rows of the model in dir at random through src, rewriting
+// one shard (with rewrite) halfway. No read of the rewritten shard may
+// succeed after the rewrite; with cached set (a mirror: pages kept from
+// before the rewrite, like pages in RAM), none submitted after the first
+// ErrShardChanged was delivered.
+func soak(t *testing.T, dir string, src backing.Source, st *stats.Counters, rewrite func(name string, b []byte), cached bool) {
 	m, err := backing.LoadSource(src, backing.DefaultTablePattern)
 	if err != nil {
 		t.Fatal(err)
@@ -419,12 +440,14 @@ func TestSoakNoWrongBytes(t *testing.T) {
 		}
 		shards[sh.Name] = b
 	}
+	rng := rand.New(rand.NewPCG(13, 14))
 	const reads = 4000
 	var (
 		mu                             sync.Mutex
 		ok, wrong, changed, failed, rw int
 		rewritten                      = m.Shards[0].Name
 		after                          bool // the rewrite happened
+		seen                           bool // an ErrShardChanged was delivered
 	)
 	var wg sync.WaitGroup
 	for i := 0; i < reads; i++ {
@@ -434,18 +457,19 @@ func TestSoakNoWrongBytes(t *testing.T) {
 			for j := range b {
 				b[j] ^= 0xFF
 			}
-			f.put("m/"+rewritten, b)
+			rewrite(rewritten, b)
 			mu.Lock()
 			after = true
 			mu.Unlock()
 		}
-		rmu.Lock()
 		tb := m.Tables[rng.IntN(len(m.Tables))]
 		row := rng.Int64N(int64(tb.Rows))
 		rows := 1 + rng.Int64N(min(64, int64(tb.Rows)-row))
-		rmu.Unlock()
 		off, n := row*tb.RowBytes, int(rows*tb.RowBytes)
 		want := shards[tb.Shard.Name][tb.DataStart+off : tb.DataStart+off+int64(n)]
+		mu.Lock()
+		strict := after && (!cached || seen)
+		mu.Unlock()
 		wg.Add(1)
 		store.Submit(&backing.TableRead{Table: tb, Off: off, Len: n, Done: func(data []byte, err error) {
 			defer wg.Done()
@@ -458,24 +482,50 @@ func TestSoakNoWrongBytes(t *testing.T) {
 				wrong++
 			case errors.Is(err, backing.ErrShardChanged):
 				changed++
+				seen = true
 				if !after || tb.Shard.Name != rewritten {
 					t.Errorf("ErrShardChanged before the rewrite or on another shard: %v", err)
 				}
 			default:
 				failed++
 			}
-			if after && tb.Shard.Name == rewritten && err == nil {
+			if strict && tb.Shard.Name == rewritten && err == nil {
 				rw++
 			}
 		}})
 	}
 	wg.Wait()
-	t.Logf("%d reads: %d right, %d wrong, %d ErrShardChanged, %d failed after %d attempts; %d GETs, %d retries, %d ETag failures",
-		reads, ok, wrong, changed, failed, testConfig().Attempts, st.S3Gets.Load(), st.S3Retries.Load(), st.S3ETagFailures.Load())
+	t.Logf("%d reads: %d right (%d from the mirror), %d wrong, %d ErrShardChanged, %d failed after %d attempts; %d GETs, %d retries, %d ETag failures",
+		reads, ok, st.MirrorHits.Load(), wrong, changed, failed, testConfig().Attempts, st.S3Gets.Load(), st.S3Retries.Load(), st.S3ETagFailures.Load())
 	if wrong != 0 || rw != 0 {
 		t.Fatalf("%d reads with wrong bytes, %d answered from the rewritten shard", wrong, rw)
 	}
 	if changed == 0 || ok < reads/3 || st.S3Retries.Load() == 0 {
 		t.Errorf("the soak did not exercise the faults: %d changed, %d right, %d retries", changed, ok, st.S3Retries.Load())
+	}
+}
+
+// The soak with a mirror: the same faults, not one wrong byte.
+func TestSoakMirror(t *testing.T) {
+	dir := soakModel(t)
+	f := newFakeStore()
+	if err := f.upload(dir, "m/"); err != nil {
+		t.Fatal(err)
+	}
+	var rmu sync.Mutex
+	rng := rand.New(rand.NewPCG(15, 16))
+	f.fault = func(getReq, int) fault {
+		rmu.Lock()
+		defer rmu.Unlock()
+		if rng.Float64() < 0.2 {
+			return []fault{fault503, faultTruncated, faultResetBody, faultReset, faultWhole200, faultWrongRange}[rng.IntN(6)]
+		}
+		return faultNone
+	}
+	src, st := mirrorSource(t, f, t.TempDir(), 64<<20)
+	defer src.Close()
+	soak(t, dir, src, st, func(name string, b []byte) { src.mir.sync(); f.put("m/"+name, b) }, true)
+	if st.MirrorHits.Load() == 0 {
+		t.Error("the soak never read the mirror")
 	}
 }

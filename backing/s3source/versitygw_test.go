@@ -5,8 +5,13 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	neturl "net/url"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 
 	"github.com/engramfs/engramfs/backing"
@@ -32,6 +37,16 @@ func newServerSource(t *testing.T, dir string, cfg Config, st *stats.Counters) (
 func TestConformanceVersitygw(t *testing.T) {
 	sourcetest.Run(t, func(t *testing.T, dir string) backing.Source {
 		src, _, _ := newServerSource(t, dir, DefaultConfig(), nil)
+		return src
+	})
+}
+
+func TestConformanceVersitygwMirror(t *testing.T) {
+	sourcetest.Run(t, func(t *testing.T, dir string) backing.Source {
+		cfg := DefaultConfig()
+		cfg.Mirror = MirrorConfig{Dir: t.TempDir(), Size: 64 << 20}
+		src, _, _ := newServerSource(t, dir, cfg, nil)
+		t.Cleanup(func() { src.Close() })
 		return src
 	})
 }
@@ -107,6 +122,136 @@ func TestStoreOnVersitygw(t *testing.T) {
 	if _, err := backing.Open(m, src, st); !errors.Is(err, backing.ErrShardChanged) {
 		t.Errorf("Open over a rewritten shard: %v, want ErrShardChanged", err)
 	}
+}
+
+// The mirror against versitygw: pages fetched once are read with 0 GETs,
+// in this mount and the next (a new Source over the same directory); an
+// object rewritten between the mounts is fetched again, new bytes only.
+func TestMirrorVersitygw(t *testing.T) {
+	dir := synth(t)
+	srv := s3test.Start(t)
+	srv.Env(t)
+	srv.Bucket(t, "models")
+	url := srv.Upload(t, dir, "models", "dsv41/engram")
+	mdir := t.TempDir()
+	mount := func() (*Source, backing.ShardFile, *stats.Counters) {
+		cfg := DefaultConfig()
+		cfg.Client = ClientConfig{Endpoint: srv.Endpoint, PathStyle: true}
+		cfg.Mirror = MirrorConfig{Dir: mdir, Size: 64 << 20}
+		st := &stats.Counters{}
+		src, err := New(context.Background(), url, cfg, st)
+		if err != nil {
+			t.Fatal(err)
+		}
+		names, err := src.List(".safetensors")
+		if err != nil {
+			t.Fatal(err)
+		}
+		sf, err := src.Open(names[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return src, sf, st
+	}
+	src, sf, st := mount()
+	name := sf.(*shard).name
+	want, err := os.ReadFile(filepath.Join(dir, name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	offs := []int64{0, 8192, 1 << 20, int64(len(want)) / 4096 * 4096 / 2}
+	check(t, sf, want, offs, 4096)
+	src.mir.sync()
+	gets := st.S3Gets.Load()
+	check(t, sf, want, offs, 4096)
+	if st.S3Gets.Load() != gets {
+		t.Errorf("%d GETs for mirrored pages, want 0", st.S3Gets.Load()-gets)
+	}
+	closeAll(t, sf, src)
+
+	src, sf, st = mount()
+	check(t, sf, want, offs, 4096)
+	if st.S3Gets.Load() != 0 || st.MirrorHits.Load() != uint64(len(offs)) {
+		t.Errorf("remount: %d GETs (want 0), %d mirror hits (want %d)", st.S3Gets.Load(), st.MirrorHits.Load(), len(offs))
+	}
+	closeAll(t, sf, src)
+
+	changed := bytes.Clone(want)
+	for i := range changed {
+		changed[i] ^= 0x3C
+	}
+	srv.Put(t, "models", "dsv41/engram/"+name, changed)
+	src, sf, st = mount()
+	check(t, sf, changed, offs, 4096)
+	if st.S3Gets.Load() == 0 || st.S3Gets.Load() != st.BackingReads.Load() || st.MirrorHits.Load() != 0 {
+		t.Errorf("after a rewrite: %d GETs (want one per merged read, %d), %d mirror hits (want 0)", st.S3Gets.Load(), st.BackingReads.Load(), st.MirrorHits.Load())
+	}
+	closeAll(t, sf, src)
+}
+
+// The soak through versitygw, behind a proxy that fails 20% of the GETs
+// (503, resets before the headers, bodies cut short, a 200 with other
+// bytes to a range request): not one wrong byte.
+func TestSoakVersitygw(t *testing.T) {
+	dir := soakModel(t)
+	srv := s3test.Start(t)
+	srv.Env(t)
+	srv.Bucket(t, "models")
+	url := srv.Upload(t, dir, "models", "dsv41/engram")
+	proxy := faultProxy(t, srv.Endpoint, 0.20)
+	cfg := testConfig()
+	cfg.Client = ClientConfig{Endpoint: proxy, PathStyle: true}
+	st := &stats.Counters{}
+	src, err := New(context.Background(), url, cfg, st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	soak(t, dir, src, st, func(name string, b []byte) { srv.Put(t, "models", "dsv41/engram/"+name, b) }, false)
+}
+
+// faultProxy forwards requests to endpoint (Host kept: signatures stay
+// valid) and fails about rate of the ranged GETs.
+func faultProxy(t *testing.T, endpoint string, rate float64) string {
+	target, err := neturl.Parse(endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rp := httputil.NewSingleHostReverseProxy(target)
+	var mu sync.Mutex
+	rng := rand.New(rand.NewPCG(21, 22))
+	ps := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodGet || r.Header.Get("Range") == "" {
+			rp.ServeHTTP(w, r)
+			return
+		}
+		mu.Lock()
+		x := rng.Float64() / rate
+		mu.Unlock()
+		switch {
+		case x < 0.4:
+			http.Error(w, "<Error><Code>SlowDown</Code></Error>", http.StatusServiceUnavailable)
+		case x < 0.6:
+			panic(http.ErrAbortHandler) // reset before the headers
+		case x < 0.8:
+			rp.ServeHTTP(&cutWriter{ResponseWriter: w}, r) // the body ends early
+		case x < 1:
+			w.Header().Set("Content-Length", "8192")
+			_, _ = w.Write(make([]byte, 8192)) // a 200 of other bytes
+		default:
+			rp.ServeHTTP(w, r)
+		}
+	}))
+	t.Cleanup(ps.Close)
+	return ps.URL
+}
+
+// cutWriter passes half of the first body write, then aborts the
+// connection.
+type cutWriter struct{ http.ResponseWriter }
+
+func (c *cutWriter) Write(p []byte) (int, error) {
+	_, _ = c.ResponseWriter.Write(p[:len(p)/2])
+	panic(http.ErrAbortHandler)
 }
 
 func readLocal(dir string, tb *backing.Table, off int64, p []byte) (int, error) {

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"time"
 
+	units "github.com/docker/go-units"
+
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/backing/s3source"
@@ -22,6 +24,9 @@ type s3Flags struct {
 	s3Endpoint  string
 	s3Region    string
 	s3PathStyle optionalBool
+	// The local SSD mirror of fetched pages.
+	s3Mirror     string
+	s3MirrorSize string
 }
 
 func (f *s3Flags) register(fl interface {
@@ -33,6 +38,27 @@ func (f *s3Flags) register(fl interface {
 	fl.StringVar(&f.s3Region, "s3-region", "", "s3:// MODEL_DIR: the bucket's region (default: $AWS_REGION, else us-east-1)")
 	fl.Var(&f.s3PathStyle, "s3-path-style",
 		"s3:// MODEL_DIR: address buckets as ENDPOINT/bucket/key instead of bucket.ENDPOINT/key (default: true when --s3-endpoint is given)")
+	fl.StringVar(&f.s3Mirror, "s3-mirror", "",
+		"s3:// MODEL_DIR: a local (SSD) directory that mirrors the pages fetched, kept across mounts; needs --s3-mirror-size")
+	fl.StringVar(&f.s3MirrorSize, "s3-mirror-size", "",
+		"s3:// MODEL_DIR: the most bytes --s3-mirror holds, e.g. 100GiB (least recently used 2 MiB extents are punched out)")
+}
+
+// mirrorConfig reads --s3-mirror and --s3-mirror-size.
+func (f *s3Flags) mirrorConfig() (s3source.MirrorConfig, error) {
+	switch {
+	case f.s3Mirror == "" && f.s3MirrorSize == "":
+		return s3source.MirrorConfig{}, nil
+	case f.s3Mirror == "":
+		return s3source.MirrorConfig{}, usagef("--s3-mirror-size needs --s3-mirror DIR")
+	case f.s3MirrorSize == "":
+		return s3source.MirrorConfig{}, usagef("--s3-mirror needs --s3-mirror-size, e.g. 100GiB")
+	}
+	size, err := units.RAMInBytes(f.s3MirrorSize)
+	if err != nil || size < s3source.MirrorExtent {
+		return s3source.MirrorConfig{}, usagef("--s3-mirror-size %q: want a size of at least 2MiB, such as 100GiB", f.s3MirrorSize)
+	}
+	return s3source.MirrorConfig{Dir: f.s3Mirror, Size: size}, nil
 }
 
 // optionalBool is a boolean flag that knows whether it was given.
@@ -62,7 +88,7 @@ func (b *optionalBool) IsBoolFlag() bool { return true }
 // or a local or NFS directory whose shards engine reads.
 func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Counters) (backing.Source, error) {
 	if !s3source.IsURL(arg) {
-		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set {
+		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set || mf.s3Mirror != "" || mf.s3MirrorSize != "" {
 			return nil, usagef("--s3-* flags apply only to an s3://bucket/prefix MODEL_DIR, not %s", arg)
 		}
 		mode, err := backing.ParseIOMode(mf.backingIO)
@@ -87,6 +113,11 @@ func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Cou
 	if mf.s3PathStyle.set {
 		cfg.Client.PathStyle = mf.s3PathStyle.value
 	}
+	mirror, err := mf.mirrorConfig()
+	if err != nil {
+		return nil, err
+	}
+	cfg.Mirror = mirror
 	st.ReadEngine = "s3"
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

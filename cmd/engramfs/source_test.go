@@ -4,9 +4,12 @@ import (
 	"errors"
 	"flag"
 	"io"
+	"os"
 	"testing"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/backing/s3source"
+	"github.com/engramfs/engramfs/internal/stats"
 )
 
 func TestOpenSourcePicksByURL(t *testing.T) {
@@ -37,5 +40,59 @@ func TestOpenSourcePicksByURL(t *testing.T) {
 	}
 	if mf := parse("--s3-path-style"); !mf.s3PathStyle.set || !mf.s3PathStyle.value {
 		t.Errorf("--s3-path-style parsed to %+v", mf.s3PathStyle)
+	}
+}
+
+// --s3-mirror and --s3-mirror-size reach the source, together only, with
+// an s3:// MODEL_DIR only.
+func TestS3MirrorFlags(t *testing.T) {
+	t.Setenv("AWS_ACCESS_KEY_ID", "test")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+	t.Setenv("AWS_CONFIG_FILE", os.DevNull)
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	t.Setenv("AWS_EC2_METADATA_DISABLED", "true")
+	parse := func(args ...string) mountFlags {
+		fl := flag.NewFlagSet("mount", flag.ContinueOnError)
+		fl.SetOutput(io.Discard)
+		var mf mountFlags
+		mf.register(fl)
+		if err := fl.Parse(args); err != nil {
+			t.Fatal(err)
+		}
+		mf.queueDepth = 8
+		return mf
+	}
+	mdir := t.TempDir()
+	const url = "s3://models/dsv41"
+	args := []string{"--s3-endpoint", "http://127.0.0.1:1", "--s3-mirror", mdir, "--s3-mirror-size", "100GiB"}
+	src, err := openSource(url, parse(args...), nil, &stats.Counters{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s3, ok := src.(*s3source.Source)
+	if !ok {
+		t.Fatalf("openSource(%s) = %T", url, src)
+	}
+	defer s3.Close()
+	if got := s3.Mirror(); got.Dir != mdir || got.Size != 100<<30 {
+		t.Errorf("mirror %+v, want %s and 100 GiB", got, mdir)
+	}
+	// The directory is taken: a second mount over it fails.
+	if _, err := openSource(url, parse(args...), nil, &stats.Counters{}); err == nil {
+		t.Error("a second source over a mirror directory in use: no error")
+	}
+	var ue usageError
+	for _, bad := range [][]string{
+		{"--s3-mirror", mdir},
+		{"--s3-mirror-size", "10GiB"},
+		{"--s3-mirror", mdir, "--s3-mirror-size", "lots"},
+		{"--s3-mirror", mdir, "--s3-mirror-size", "1MiB"},
+	} {
+		if _, err := openSource(url, parse(bad...), nil, &stats.Counters{}); !errors.As(err, &ue) {
+			t.Errorf("%q: %v, want a usage error", bad, err)
+		}
+	}
+	if _, err := openSource(t.TempDir(), parse("--s3-mirror", mdir, "--s3-mirror-size", "1GiB"), nil, nil); !errors.As(err, &ue) {
+		t.Errorf("--s3-mirror with a directory MODEL_DIR: %v, want a usage error", err)
 	}
 }

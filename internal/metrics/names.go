@@ -46,6 +46,11 @@ var statMetrics = map[string]statMetric{
 	"s3_hedges":        {"s3_hedges_total", counter, "Second GETs sent because the first had no first byte after the adaptive p95."},
 	"s3_etag_failures": {"s3_etag_failures_total", counter, "GETs refused with 412 Precondition Failed: the object was rewritten under the mount."},
 
+	"mirror_hits":          {"mirror_hits_total", counter, "Object store reads served from the local SSD mirror, without a GET."},
+	"mirror_bytes_read":    {"mirror_bytes_read_total", counter, "Bytes read from the local SSD mirror."},
+	"mirror_bytes_written": {"mirror_bytes_written_total", counter, "Bytes written to the local SSD mirror and made durable."},
+	"mirror_evictions":     {"mirror_evictions_total", counter, "2 MiB extents punched out of the local SSD mirror to keep its budget."},
+
 	"cache_capacity_bytes": {"cache_capacity_bytes", gauge, "Budget of the hot tier (--cache-size)."},
 	"cache_used_bytes":     {"cache_used_bytes", gauge, "Bytes of table pages locked in the page cache now."},
 	"cache_hits":           {"cache_hits_total", counter, "Hinted or faulted pages found in the hot tier."},

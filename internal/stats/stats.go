@@ -33,6 +33,11 @@ type Counters struct {
 	S3Retries      atomic.Uint64 // GETs sent again after a 5xx, reset or truncated body
 	S3Hedges       atomic.Uint64 // second GETs sent because the first had no first byte after the p95
 	S3ETagFailures atomic.Uint64 // GETs refused with 412: the object changed under the mount
+	// Local SSD mirror of the object store (s3source, --s3-mirror).
+	MirrorHits         atomic.Uint64 // reads served from the mirror, without a GET
+	MirrorBytesRead    atomic.Uint64
+	MirrorBytesWritten atomic.Uint64 // bytes written to the mirror and made durable
+	MirrorEvictions    atomic.Uint64 // 2 MiB extents punched out to keep the budget
 	// ReadEngine is how backing reads are issued: io_uring or pread. Set
 	// once, before the counters are shared.
 	ReadEngine string
@@ -130,6 +135,11 @@ type Snapshot struct {
 	S3Hedges       uint64 `json:"s3_hedges"`
 	S3ETagFailures uint64 `json:"s3_etag_failures"`
 
+	MirrorHits         uint64 `json:"mirror_hits"`
+	MirrorBytesRead    uint64 `json:"mirror_bytes_read"`
+	MirrorBytesWritten uint64 `json:"mirror_bytes_written"`
+	MirrorEvictions    uint64 `json:"mirror_evictions"`
+
 	CacheCapacityBytes int64  `json:"cache_capacity_bytes"`
 	CacheUsedBytes     int64  `json:"cache_used_bytes"`
 	CacheHits          uint64 `json:"cache_hits"`
@@ -186,6 +196,11 @@ func (c *Counters) Snapshot() Snapshot {
 		S3Retries:      c.S3Retries.Load(),
 		S3Hedges:       c.S3Hedges.Load(),
 		S3ETagFailures: c.S3ETagFailures.Load(),
+
+		MirrorHits:         c.MirrorHits.Load(),
+		MirrorBytesRead:    c.MirrorBytesRead.Load(),
+		MirrorBytesWritten: c.MirrorBytesWritten.Load(),
+		MirrorEvictions:    c.MirrorEvictions.Load(),
 
 		CacheCapacityBytes: c.CacheCapacityBytes.Load(),
 		CacheUsedBytes:     c.CacheUsedBytes.Load(),

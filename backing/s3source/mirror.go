@@ -1,0 +1,531 @@
+package s3source
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"net/url"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// MirrorConfig is the local SSD mirror of fetched pages: a tier between the
+// object store and RAM. Dir "" turns it off.
+type MirrorConfig struct {
+	Dir string
+	// Size is the budget of mirrored bytes: least recently used 2 MiB
+	// extents are punched out of the mirror files beyond it.
+	Size int64
+}
+
+// MirrorExtent is the unit of the mirror's eviction: 2 MiB of a shard.
+const MirrorExtent = 2 << 20
+
+// The mirror of a shard is two files in the mirror directory, named after
+// the shard (path-escaped):
+//
+//   - NAME.data: sparse, the object's bytes at the object's offsets;
+//   - NAME.meta: a header (magic, page size, the object's size and ETag),
+//     then at mirrorHeader a bitmap, one bit per page of NAME.data.
+//
+// A bit is set only after its page is durable: pwrite, fdatasync, then set
+// and persist the bit. A bit is cleared, and the clearing made durable,
+// before its page is punched out. So a crash anywhere leaves no bit over
+// bytes that were not written: at worst a page mirrored but not marked,
+// which is fetched again. A mirror whose ETag or size is not the object's
+// at open is discarded.
+const (
+	mirrorPage   = 4096
+	mirrorExtent = MirrorExtent
+	mirrorHeader = 4096 // bytes of NAME.meta before the bitmap
+	mirrorMagic  = "EGMIRR01"
+	// mirrorQueue bounds the pages waiting to be written: the mirror is
+	// best effort, and a full queue drops (never blocks a read).
+	mirrorQueue = 4096
+	mirrorBatch = 512 // writes per fdatasync at most
+)
+
+// mirror is the mirror directory of one Source. Its writer goroutine is the
+// only one to write, set bits, clear bits and punch holes.
+type mirror struct {
+	dir    string
+	budget int64
+	st     *stats.Counters
+	lock   *os.File // flock(LOCK_EX) on DIR/.lock: one daemon per mirror
+	clock  atomic.Int64
+
+	mu    sync.Mutex
+	files map[string]*mirrorFile // GUARDED_BY(mu): by shard name
+	used  int64                  // GUARDED_BY(mu): bytes of pages whose bit is set
+
+	qmu    sync.RWMutex
+	closed bool // GUARDED_BY(qmu)
+	queue  chan mirrorWrite
+	done   chan struct{}
+
+	// noBits (tests): write and sync pages but never set their bits, as
+	// a crash between the write and the bit would.
+	noBits bool
+}
+
+// mirrorWrite is pages [off, off+len(data)) of f as of etag, or, with
+// barrier set, a request to close barrier once every earlier write is
+// settled.
+type mirrorWrite struct {
+	f       *mirrorFile
+	etag    string
+	off     int64
+	data    []byte
+	barrier chan struct{}
+}
+
+// mirrorFile is the mirror of one shard.
+type mirrorFile struct {
+	m          *mirror
+	name       string
+	data, meta *os.File
+	size       int64
+	pages      int64
+	ext        []*extent // by extent index
+
+	mu   sync.RWMutex
+	etag string   // GUARDED_BY(mu): "" once the object is known changed
+	bits []uint64 // GUARDED_BY(mu): bit p%64 of bits[p/64]: page p is mirrored
+}
+
+// extent is 2 MiB of a mirror file: the unit of eviction.
+type extent struct {
+	pages int64        // GUARDED_BY(m.mu): its pages whose bit is set
+	stamp atomic.Int64 // the mirror's clock when last read or written
+}
+
+// Mirror is the mirror's configuration (Dir "": none).
+func (s *Source) Mirror() MirrorConfig { return s.cfg.Mirror }
+
+func openMirror(cfg MirrorConfig, st *stats.Counters) (*mirror, error) {
+	if cfg.Size < mirrorExtent {
+		return nil, fmt.Errorf("mirror %s: a budget of %d bytes is under one %d-byte extent", cfg.Dir, cfg.Size, mirrorExtent)
+	}
+	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
+		return nil, fmt.Errorf("mirror: %w", err)
+	}
+	lock, err := os.OpenFile(filepath.Join(cfg.Dir, ".lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("mirror: %w", err)
+	}
+	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		lock.Close()
+		return nil, fmt.Errorf("mirror %s: in use by another process (%v)", cfg.Dir, err)
+	}
+	m := &mirror{
+		dir: cfg.Dir, budget: cfg.Size, st: st, lock: lock,
+		files: map[string]*mirrorFile{},
+		queue: make(chan mirrorWrite, mirrorQueue), done: make(chan struct{}),
+	}
+	go m.writer()
+	return m, nil
+}
+
+// close stops the writer once the queued writes are settled, and closes
+// the files.
+func (m *mirror) close() error {
+	m.qmu.Lock()
+	if m.closed {
+		m.qmu.Unlock()
+		return nil
+	}
+	m.closed = true
+	close(m.queue)
+	m.qmu.Unlock()
+	<-m.done
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var errs []error
+	for _, f := range m.files {
+		errs = append(errs, f.data.Close(), f.meta.Close())
+	}
+	errs = append(errs, m.lock.Close())
+	return errors.Join(errs...)
+}
+
+// send queues w unless the queue is full or closed.
+func (m *mirror) send(w mirrorWrite, wait bool) bool {
+	m.qmu.RLock()
+	defer m.qmu.RUnlock()
+	if m.closed {
+		return false
+	}
+	if wait {
+		m.queue <- w
+		return true
+	}
+	select {
+	case m.queue <- w:
+		return true
+	default:
+		return false
+	}
+}
+
+// sync waits until every write queued before it is settled (and the budget
+// enforced).
+func (m *mirror) sync() {
+	ch := make(chan struct{})
+	if m.send(mirrorWrite{barrier: ch}, true) {
+		<-ch
+	}
+}
+
+// open returns the mirror of shard name as the object is now (size, etag):
+// the existing one, or a fresh one when there is none or it mirrors other
+// bytes.
+func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if f, ok := m.files[name]; ok {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if f.size == size && f.etag == etag {
+			return f, nil
+		}
+		// The object changed: discard the mirror. Pages queued for the old
+		// ETag are dropped by the writer.
+		if f.size != size {
+			return nil, fmt.Errorf("mirror of %s: the object's size changed from %d to %d under the mount", name, f.size, size)
+		}
+		return f, m.resetLocked(f, etag)
+	}
+	base := filepath.Join(m.dir, url.PathEscape(name))
+	data, err := os.OpenFile(base+".data", os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("mirror: %w", err)
+	}
+	meta, err := os.OpenFile(base+".meta", os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		data.Close()
+		return nil, fmt.Errorf("mirror: %w", err)
+	}
+	pages := (size + mirrorPage - 1) / mirrorPage
+	f := &mirrorFile{
+		m: m, name: name, data: data, meta: meta, size: size, pages: pages,
+		ext:  make([]*extent, (size+mirrorExtent-1)/mirrorExtent),
+		bits: make([]uint64, (pages+63)/64),
+	}
+	for i := range f.ext {
+		f.ext[i] = &extent{}
+	}
+	if f.load(etag) {
+		f.etag = etag
+		for p := int64(0); p < pages; p++ {
+			if f.bits[p/64]&(1<<(p%64)) != 0 {
+				f.ext[p*mirrorPage/mirrorExtent].pages++
+				m.used += mirrorPage
+			}
+		}
+	} else if err := m.resetLocked(f, etag); err != nil {
+		data.Close()
+		meta.Close()
+		return nil, err
+	}
+	m.files[name] = f
+	if m.used > m.budget {
+		m.send(mirrorWrite{}, false) // the writer evicts
+	}
+	return f, nil
+}
+
+// load reads NAME.meta: true when it mirrors this object (same page size,
+// size and ETag), with f.bits filled.
+func (f *mirrorFile) load(etag string) bool {
+	hdr := make([]byte, mirrorHeader)
+	if _, err := f.meta.ReadAt(hdr, 0); err != nil {
+		return false
+	}
+	n := int(binary.LittleEndian.Uint32(hdr[12:]))
+	if !bytes.Equal(hdr[:8], []byte(mirrorMagic)) || binary.LittleEndian.Uint32(hdr[8:]) != mirrorPage ||
+		int64(binary.LittleEndian.Uint64(hdr[16:])) != f.size || n > mirrorHeader-24 || string(hdr[24:24+n]) != etag {
+		return false
+	}
+	raw := make([]byte, 8*len(f.bits))
+	if _, err := f.meta.ReadAt(raw, mirrorHeader); err != nil {
+		return false
+	}
+	for i := range f.bits {
+		f.bits[i] = binary.LittleEndian.Uint64(raw[8*i:])
+	}
+	if k := f.pages % 64; k != 0 && len(f.bits) > 0 {
+		f.bits[len(f.bits)-1] &= 1<<k - 1
+	}
+	return true
+}
+
+// resetLocked discards f's mirror and makes it the (empty) mirror of the
+// object as of etag: the new header and an empty bitmap are durable before
+// the data file is emptied. Callers hold m.mu and f.mu.
+func (m *mirror) resetLocked(f *mirrorFile, etag string) error {
+	if len(etag) > mirrorHeader-24 {
+		return fmt.Errorf("mirror of %s: ETag of %d bytes", f.name, len(etag))
+	}
+	for _, e := range f.ext {
+		m.used -= e.pages * mirrorPage
+		e.pages = 0
+	}
+	clear(f.bits)
+	f.etag = etag
+	hdr := make([]byte, mirrorHeader+8*len(f.bits))
+	copy(hdr, mirrorMagic)
+	binary.LittleEndian.PutUint32(hdr[8:], mirrorPage)
+	binary.LittleEndian.PutUint32(hdr[12:], uint32(len(etag)))
+	binary.LittleEndian.PutUint64(hdr[16:], uint64(f.size))
+	copy(hdr[24:], etag)
+	if err := f.meta.Truncate(0); err != nil {
+		return fmt.Errorf("mirror: %w", err)
+	}
+	if _, err := f.meta.WriteAt(hdr, 0); err != nil {
+		return fmt.Errorf("mirror: %w", err)
+	}
+	if err := unix.Fdatasync(int(f.meta.Fd())); err != nil {
+		return fmt.Errorf("mirror: %w", err)
+	}
+	if err := f.data.Truncate(0); err != nil {
+		return fmt.Errorf("mirror: %w", err)
+	}
+	if err := f.data.Truncate(f.size); err != nil {
+		return fmt.Errorf("mirror: %w", err)
+	}
+	return nil
+}
+
+// coveredLocked reports whether every page of [off, off+n) is mirrored.
+func (f *mirrorFile) coveredLocked(off int64, n int) bool {
+	for p := off / mirrorPage; p <= (off+int64(n)-1)/mirrorPage; p++ {
+		if f.bits[p/64]&(1<<(p%64)) == 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// covered reports whether a read of [off, off+n) of the object as of etag
+// would be served by the mirror now.
+func (f *mirrorFile) covered(etag string, off int64, n int) bool {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	return f.etag == etag && f.coveredLocked(off, n)
+}
+
+// read returns [off, off+n) of the object as of etag from the mirror, or
+// false when any of it is not mirrored (any more).
+func (f *mirrorFile) read(etag string, off int64, n int) ([]byte, bool) {
+	f.mu.RLock()
+	if f.etag != etag || !f.coveredLocked(off, n) {
+		f.mu.RUnlock()
+		return nil, false
+	}
+	buf := make([]byte, n)
+	got, err := f.data.ReadAt(buf, off)
+	f.mu.RUnlock()
+	if err != nil || got != n {
+		return nil, false
+	}
+	f.touch(off, int64(n))
+	f.m.st.MirrorHits.Add(1)
+	f.m.st.MirrorBytesRead.Add(uint64(n))
+	return buf, true
+}
+
+func (f *mirrorFile) touch(off, n int64) {
+	now := f.m.clock.Add(1)
+	for e := off / mirrorExtent; e <= (off+n-1)/mirrorExtent; e++ {
+		f.ext[e].stamp.Store(now)
+	}
+}
+
+// put queues the whole pages of buf (bytes [off, off+len(buf)) of the
+// object as of etag) that are not mirrored yet. It copies them: buf
+// belongs to the readers.
+func (f *mirrorFile) put(etag string, off int64, buf []byte) {
+	lo := (off + mirrorPage - 1) / mirrorPage * mirrorPage
+	end := off + int64(len(buf))
+	hi := end / mirrorPage * mirrorPage
+	if end == f.size {
+		hi = end // the last page, short
+	}
+	if hi <= lo {
+		return
+	}
+	f.mu.RLock()
+	skip := f.etag != etag || f.coveredLocked(lo, int(hi-lo))
+	f.mu.RUnlock()
+	if skip {
+		return
+	}
+	data := make([]byte, hi-lo)
+	copy(data, buf[lo-off:hi-off])
+	f.m.send(mirrorWrite{f: f, etag: etag, off: lo, data: data}, false)
+}
+
+// invalidate stops serving the mirror of the object as of etag: it
+// changed. The next open with the new ETag discards the mirror.
+func (f *mirrorFile) invalidate(etag string) {
+	f.mu.Lock()
+	if f.etag == etag {
+		f.etag = ""
+	}
+	f.mu.Unlock()
+}
+
+// writer writes batches of queued pages: pwrite each, fdatasync each file,
+// then set and persist the bits, then enforce the budget.
+func (m *mirror) writer() {
+	defer close(m.done)
+	batch := make([]mirrorWrite, 0, mirrorBatch)
+	for w := range m.queue {
+		batch = append(batch[:0], w)
+	fill:
+		for len(batch) < mirrorBatch {
+			select {
+			case w, ok := <-m.queue:
+				if !ok {
+					break fill
+				}
+				batch = append(batch, w)
+			default:
+				break fill
+			}
+		}
+		m.flush(batch)
+		for _, w := range batch {
+			if w.barrier != nil {
+				close(w.barrier)
+			}
+		}
+		clear(batch)
+	}
+}
+
+func (m *mirror) flush(batch []mirrorWrite) {
+	// 1. Write the pages (under f.mu: a reset never runs meanwhile).
+	written := batch[:0:0]
+	synced := map[*mirrorFile]bool{}
+	for _, w := range batch {
+		if w.f == nil {
+			continue
+		}
+		f := w.f
+		f.mu.RLock()
+		ok := f.etag == w.etag
+		if ok {
+			_, err := f.data.WriteAt(w.data, w.off)
+			ok = err == nil
+		}
+		f.mu.RUnlock()
+		if ok {
+			written = append(written, w)
+			synced[f] = false
+		}
+	}
+	// 2. Make them durable.
+	for f := range synced {
+		synced[f] = unix.Fdatasync(int(f.data.Fd())) == nil
+	}
+	// 3. Set and persist their bits.
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.noBits {
+		dirty := map[*mirrorFile][2]int64{} // bitmap words [lo, hi) to persist
+		for _, w := range written {
+			f := w.f
+			if !synced[f] {
+				continue
+			}
+			f.mu.Lock()
+			if f.etag == w.etag {
+				first, last := w.off/mirrorPage, (w.off+int64(len(w.data))-1)/mirrorPage
+				for p := first; p <= last; p++ {
+					if f.bits[p/64]&(1<<(p%64)) == 0 {
+						f.bits[p/64] |= 1 << (p % 64)
+						f.ext[p*mirrorPage/mirrorExtent].pages++
+						m.used += mirrorPage
+					}
+				}
+				r, ok := dirty[f]
+				if !ok {
+					r = [2]int64{math.MaxInt64, 0}
+				}
+				dirty[f] = [2]int64{min(r[0], first/64), max(r[1], last/64+1)}
+				m.st.MirrorBytesWritten.Add(uint64(len(w.data)))
+			}
+			f.mu.Unlock()
+			f.touch(w.off, int64(len(w.data)))
+		}
+		for f, r := range dirty {
+			f.mu.RLock()
+			err := f.persistLocked(r[0], r[1])
+			f.mu.RUnlock()
+			if err == nil {
+				_ = unix.Fdatasync(int(f.meta.Fd()))
+			}
+		}
+	}
+	// 4. The budget.
+	m.evictLocked()
+}
+
+// persistLocked writes bitmap words [lo, hi) to NAME.meta.
+func (f *mirrorFile) persistLocked(lo, hi int64) error {
+	raw := make([]byte, 8*(hi-lo))
+	for i := lo; i < hi; i++ {
+		binary.LittleEndian.PutUint64(raw[8*(i-lo):], f.bits[i])
+	}
+	_, err := f.meta.WriteAt(raw, mirrorHeader+8*lo)
+	return err
+}
+
+// evictLocked punches out least recently used extents until the mirrored
+// bytes fit the budget. Each extent's bits are cleared, durably, before its
+// bytes are punched. Callers hold m.mu; only the writer calls it.
+func (m *mirror) evictLocked() {
+	for m.used > m.budget {
+		var vf *mirrorFile
+		var vi int
+		var vs int64 = math.MaxInt64
+		for _, f := range m.files {
+			for i, e := range f.ext {
+				if e.pages > 0 && e.stamp.Load() < vs {
+					vf, vi, vs = f, i, e.stamp.Load()
+				}
+			}
+		}
+		if vf == nil {
+			return
+		}
+		start := int64(vi) * mirrorExtent
+		end := min(start+mirrorExtent, vf.size)
+		vf.mu.Lock()
+		first, last := start/mirrorPage, (end-1)/mirrorPage
+		for p := first; p <= last; p++ {
+			vf.bits[p/64] &^= 1 << (p % 64)
+		}
+		err := vf.persistLocked(first/64, last/64+1)
+		if err == nil {
+			err = unix.Fdatasync(int(vf.meta.Fd()))
+		}
+		vf.mu.Unlock()
+		m.used -= vf.ext[vi].pages * mirrorPage
+		vf.ext[vi].pages = 0
+		m.st.MirrorEvictions.Add(1)
+		if err != nil {
+			continue // the bits may still be on disk: keep the bytes
+		}
+		_ = unix.Fallocate(int(vf.data.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, start, end-start)
+	}
+}
