@@ -8,6 +8,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"sync"
 	"syscall"
 	"time"
@@ -467,6 +468,12 @@ type faultFanout struct {
 }
 
 func (f faultFanout) Faulted(keys []cache.PageKey) {
+	// The pin worker's own populate faults are no demand: they must not
+	// count as late prefetches or refaults.
+	keys = slices.DeleteFunc(slices.Clone(keys), f.hot.OwnFault)
+	if len(keys) == 0 {
+		return
+	}
 	f.st.PrefetchLate.Add(uint64(f.pf.ServedByFault(keys)))
 	f.pf.Refaulted(keys)
 	f.hot.Admit(keys, cache.SignalFault)
