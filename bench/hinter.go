@@ -28,6 +28,7 @@ const (
 type hinter struct {
 	f       *os.File
 	barrier string // BarrierRead or BarrierFsync
+	stream  bool   // the handle has no offsets: read(2), not pread
 	why     string // how the barrier was chosen
 
 	mu  sync.Mutex
@@ -69,6 +70,11 @@ func openHinter(mp string) (*hinter, error) {
 	h.f = f
 	n, err := h.readBarrier()
 	switch {
+	case errors.Is(err, unix.ESPIPE):
+		// A stream handle (FOPEN_STREAM): a daemon with the read barrier,
+		// which answers an idle barrier with 0 bytes at once.
+		h.barrier, h.stream = BarrierRead, true
+		h.why = "read(2) on the control handle (a stream)"
 	case err != nil:
 		f.Close()
 		return nil, fmt.Errorf("hint open: a read of a fresh control handle: %w", err)
@@ -90,7 +96,13 @@ func openHinter(mp string) (*hinter, error) {
 // bytes from a daemon without one.
 func (h *hinter) readBarrier() (int, error) {
 	for {
-		n, err := unix.Pread(int(h.f.Fd()), h.rbuf, 0)
+		var n int
+		var err error
+		if h.stream {
+			n, err = unix.Read(int(h.f.Fd()), h.rbuf)
+		} else {
+			n, err = unix.Pread(int(h.f.Fd()), h.rbuf, 0)
+		}
 		if err == unix.EINTR {
 			continue
 		}
