@@ -22,10 +22,10 @@ import (
 	"github.com/engramfs/engramfs/backing/s3source"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/fs"
-	"github.com/engramfs/engramfs/internal/metrics"
+	"github.com/engramfs/engramfs/metrics"
 	"github.com/engramfs/engramfs/internal/sdnotify"
 	"github.com/engramfs/engramfs/internal/stats"
-	"github.com/engramfs/engramfs/internal/warm"
+	"github.com/engramfs/engramfs/warm"
 	"github.com/engramfs/engramfs/prefetch"
 )
 

@@ -65,7 +65,7 @@ type Counters struct {
 	PrefetchLate         atomic.Uint64 // FUSE reads of a page whose prefetch was queued or in flight
 	PrefetchPagesFailed  atomic.Uint64 // hinted pages that settled as failed (read or store failed)
 
-	// Warm restart (internal/warm): pages of the saved hot set to fetch
+	// Warm restart (warm): pages of the saved hot set to fetch
 	// again, and how many of them are settled (resident, failed or dropped).
 	WarmPagesTotal atomic.Uint64
 	WarmPagesDone  atomic.Uint64
