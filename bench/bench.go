@@ -1,7 +1,8 @@
 // Package bench measures how engram rows are gathered today (pread, mmap,
 // mmap+willneed on the shard files) against engramfs with and without
 // hints, and against the disk's own limit and fio's CPU per read, in one run
-// on the same data: the body of `engramfs bench` and `engramfs demo`.
+// on the same data: the body of cmd/engramfs-bench (`engramfs bench` and
+// `engramfs demo` hand over to it).
 //
 // A run generates (or reuses) a synthetic model per geometry big enough to
 // be cold, measures 4 KiB O_DIRECT random reads on its shards (and, when fio
@@ -9,7 +10,7 @@
 // every path drops the page cache and runs the decode workload (steps of
 // Zipf-popular rows, timed one by one), drops it again and runs the prefill
 // workload (chunks of unique rows, each gather timed). The engramfs paths
-// run the daemon as a child process (the running executable's `mount`), so
+// run the daemon as a child process (Config.Binary's `mount`), so
 // its CPU time and memory come from /proc and its backing I/O from
 // .engramfs/stats; the other paths' backing I/O comes from /proc/self/io.
 package bench

@@ -90,7 +90,7 @@ func newFlagSet(name, synopsis, description string) *flag.FlagSet {
 
 // engramfsFlag registers --engramfs, the daemon binary to measure.
 func engramfsFlag(fs *flag.FlagSet) *string {
-	return fs.String("engramfs", "", "the engramfs `binary` whose `mount` the engramfs paths run (default: engramfs next to this program, else on PATH)")
+	return fs.String("engramfs", "", "the engramfs `BINARY` whose mount command serves the engramfs paths (default: engramfs next to this program, else on PATH)")
 }
 
 // findEngramfs returns the daemon binary: flagged, or engramfs next to this

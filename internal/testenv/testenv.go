@@ -70,7 +70,7 @@ func Command(t testing.TB, name string) string {
 			args = append(args, "-race")
 		}
 		args = append(args, "github.com/engramfs/engramfs/cmd/"+name)
-		if out, err := exec.Command(goTool(), args...).CombinedOutput(); err != nil {
+		if out, err := exec.Command(GoTool(), args...).CombinedOutput(); err != nil {
 			buildErr[name] = fmt.Errorf("go build %s: %v\n%s", name, err, out)
 		}
 	}
@@ -80,7 +80,8 @@ func Command(t testing.TB, name string) string {
 	return path
 }
 
-func goTool() string {
+// GoTool is the go command of the toolchain running the tests.
+func GoTool() string {
 	p := filepath.Join(runtime.GOROOT(), "bin", "go")
 	if _, err := os.Stat(p); err == nil {
 		return p
