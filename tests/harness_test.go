@@ -76,7 +76,8 @@ func start(t testing.TB, o daemonproc.Options) *Daemon {
 	if o.Mountpoint == "" {
 		o.MountDir = testenv.PrivateTempDir(t)
 	}
-	o.LogDir = t.TempDir()
+	// o.LogDir stays the system's temporary directory: the log of a daemon
+	// that did not stop cleanly is kept there, past the test's own files.
 	dd, err := daemonproc.Start(context.Background(), o)
 	if err != nil {
 		t.Fatal(err)
