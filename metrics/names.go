@@ -20,7 +20,7 @@ const (
 	faultSecondsName   = "fault_seconds"
 	faultSecondsHelp   = "Service time of READ requests on table files (the FUSE side of a page fault), by layer."
 	backingSecondsName = "backing_read_seconds"
-	backingSecondsHelp = "Time of one backing read of a coalesced run, from its submission to its answer (waiting for a queue slot included)."
+	backingSecondsHelp = "Time of one backing read of a coalesced run, from its submission to its answer (time waiting in the read engine's queue included)."
 	barrierSecondsName = "barrier_wait_seconds"
 	barrierSecondsHelp = "Time a barrier (read(2) or fsync) on a control file handle waited for its hinted pages, by the one layer its frames named since the previous barrier (several, none)."
 )

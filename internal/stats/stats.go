@@ -102,7 +102,8 @@ func (c *Counters) Layer(layer int) *LayerCounters { return c.layers[layer] }
 type Timings interface {
 	// FaultServed: a READ of a table file, from the request to the reply.
 	FaultServed(table uint32, d time.Duration)
-	// BackingRead: one pread of a shard (a coalesced run), queue slot held.
+	// BackingRead: one backing read of a coalesced run, from its submission
+	// to its answer.
 	BackingRead(table uint32, d time.Duration)
 	// BarrierWaited: a barrier on a control file handle (read(2) or
 	// fsync). layer is the one layer its frames named since the previous
