@@ -229,20 +229,20 @@ func renderStats(w io.Writer, mount string, s stats.Snapshot, prev *stats.Snapsh
 	// stats.Fields, in its order.
 	var buf bytes.Buffer
 	tw := tabwriter.NewWriter(&buf, 0, 0, 2, ' ', 0)
-	group := ""
+	group, show := "", false
 	var layerFields []stats.Field
 	for _, f := range stats.Fields {
-		switch {
-		case f.PerLayer():
+		if f.PerLayer() {
 			layerFields = append(layerFields, f)
 			continue
-		case f.Group != group:
-			group = f.Group
-			if !showGroup(s, group) {
-				continue
+		}
+		if f.Group != group {
+			group, show = f.Group, showGroup(s, f.Group)
+			if show {
+				fmt.Fprintf(tw, "\t\t\n%s\t\t\n", group)
 			}
-			fmt.Fprintf(tw, "\t\t\n%s\t\t\n", group)
-		case !showGroup(s, group):
+		}
+		if !show {
 			continue
 		}
 		value, label := statValue(s, f), f.Label
