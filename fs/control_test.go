@@ -22,9 +22,9 @@ const controlPath = ".engramfs/control"
 
 // hintLog is a Hinter that keeps every part it is given.
 type hintLog struct {
-	mu    sync.Mutex
-	cfg   prefetch.Config
-	parts []hintPart
+	recorder[hintPart]
+	cfgMu sync.Mutex
+	cfg   prefetch.Config // GUARDED_BY(cfgMu)
 }
 
 type hintPart struct {
@@ -38,29 +38,19 @@ type hintPart struct {
 func newHintLog() *hintLog { return &hintLog{cfg: prefetch.DefaultConfig(4)} }
 
 func (h *hintLog) SubmitPart(b *prefetch.Barrier, class hints.Class, layer int, rows []uint64, frameEnd bool) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	h.parts = append(h.parts, hintPart{b: b, class: class, layer: layer, rows: slices.Clone(rows), end: frameEnd})
+	h.add(hintPart{b: b, class: class, layer: layer, rows: slices.Clone(rows), end: frameEnd})
 }
 
 func (h *hintLog) Config() prefetch.Config {
-	h.mu.Lock()
-	defer h.mu.Unlock()
+	h.cfgMu.Lock()
+	defer h.cfgMu.Unlock()
 	return h.cfg
 }
 
 func (h *hintLog) setDecodeQueuePages(n int) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
+	h.cfgMu.Lock()
+	defer h.cfgMu.Unlock()
 	h.cfg.DecodeQueuePages = n
-}
-
-func (h *hintLog) take() []hintPart {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	p := h.parts
-	h.parts = nil
-	return p
 }
 
 // The control file admits the daemon's own user only, whatever the open

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -226,3 +227,24 @@ func (tr *tree) readAll(node, fh uint64, chunk int) []byte {
 
 // tablePath is the path of t's file in the mount, as the tests spell it.
 func tablePath(t *backing.Table) string { return filepath.ToSlash(t.Path()) }
+
+// recorder keeps what fakes are told, for the test to take.
+type recorder[T any] struct {
+	mu    sync.Mutex
+	items []T // GUARDED_BY(mu)
+}
+
+func (r *recorder[T]) add(items ...T) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.items = append(r.items, items...)
+}
+
+// take returns what was recorded since the previous take.
+func (r *recorder[T]) take() []T {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	items := r.items
+	r.items = nil
+	return items
+}

@@ -11,7 +11,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"sync"
 	"syscall"
 	"testing"
 
@@ -263,24 +262,9 @@ func TestTableReadCounters(t *testing.T) {
 }
 
 // faultLog is a FaultObserver that keeps what it is told.
-type faultLog struct {
-	mu   sync.Mutex
-	keys []cache.PageKey
-}
+type faultLog struct{ recorder[cache.PageKey] }
 
-func (f *faultLog) Faulted(keys []cache.PageKey) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.keys = append(f.keys, keys...)
-}
-
-func (f *faultLog) take() []cache.PageKey {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	k := f.keys
-	f.keys = nil
-	return k
-}
+func (f *faultLog) Faulted(keys []cache.PageKey) { f.add(keys...) }
 
 // The fault observer hears of exactly the data pages a READ brought in, and
 // of none for a read of the header alone.
