@@ -22,11 +22,11 @@ import (
 	"github.com/engramfs/engramfs/backing/s3source"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/fs"
-	"github.com/engramfs/engramfs/metrics"
 	"github.com/engramfs/engramfs/internal/sdnotify"
 	"github.com/engramfs/engramfs/internal/stats"
-	"github.com/engramfs/engramfs/warm"
+	"github.com/engramfs/engramfs/metrics"
 	"github.com/engramfs/engramfs/prefetch"
+	"github.com/engramfs/engramfs/warm"
 )
 
 // mountFlags are the settings of a mount, with their defaults.
