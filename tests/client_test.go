@@ -10,18 +10,20 @@ import (
 	"github.com/engramfs/engramfs/hints/client"
 )
 
-// checkResidentAndServed asserts that rows of every table of layer are
-// resident in maps and that gathering them does not reach FUSE.
-func checkResidentAndServed(t *testing.T, d *Daemon, layer int, rows []uint64) {
+// hintResidentAndServed runs hint (a client sending rows of layer and
+// waiting for them), then checks that the rows of every table of layer are
+// resident and that gathering them does not reach FUSE; again if the page
+// cache was dropped from outside meanwhile (untilNoOutsideDrop).
+func hintResidentAndServed(t *testing.T, d *Daemon, layer int, rows []uint64, hint func()) {
 	t.Helper()
-	m := Model(t, d.ModelDir)
-	maps := layerMaps(t, d, m, layer)
-	for tb, b := range maps {
-		if res, total := rowsResident(t, tb, b, rows); res != total {
-			t.Fatalf("%s: %d of %d hinted pages resident", tb.Path(), res, total)
+	maps := layerMaps(t, d, Model(t, d.ModelDir), layer)
+	untilNoOutsideDrop(t, "hinted rows", func() error {
+		hint()
+		if err := allResident(t, maps, rows); err != nil {
+			return err
 		}
-	}
-	gatherFromMemory(t, d, maps, rows, "hinted rows")
+		return gatherFromMemoryErr(t, d, maps, rows)
+	})
 }
 
 func TestHintCommand(t *testing.T) {
@@ -35,22 +37,23 @@ func TestHintCommand(t *testing.T) {
 	for _, r := range rows[:20] {
 		args = append(args, fmt.Sprint(r))
 	}
-	out, err := exec.Command(Binary(t), append([]string{"hint", d.Mountpoint, "--decode", "0"}, args...)...).CombinedOutput()
-	if err != nil {
-		t.Fatalf("engramfs hint: %v\n%s", err, out)
-	}
 	var stdin []string
 	for _, r := range rows[20:] {
 		stdin = append(stdin, fmt.Sprint(r))
 	}
-	cmd := exec.Command(Binary(t), "hint", d.Mountpoint, "0")
-	cmd.Stdin = strings.NewReader(strings.Join(stdin, "\n") + "\n")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("engramfs hint (rows on stdin): %v\n%s", err, out)
-	}
-	checkResidentAndServed(t, d, 0, rows)
+	hintResidentAndServed(t, d, 0, rows, func() {
+		out, err := exec.Command(Binary(t), append([]string{"hint", d.Mountpoint, "--decode", "0"}, args...)...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("engramfs hint: %v\n%s", err, out)
+		}
+		cmd := exec.Command(Binary(t), "hint", d.Mountpoint, "0")
+		cmd.Stdin = strings.NewReader(strings.Join(stdin, "\n") + "\n")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("engramfs hint (rows on stdin): %v\n%s", err, out)
+		}
+	})
 
-	out, err = exec.Command(Binary(t), "hint", d.Mountpoint, "0", fmt.Sprint(spec.Rows)).CombinedOutput()
+	out, err := exec.Command(Binary(t), "hint", d.Mountpoint, "0", fmt.Sprint(spec.Rows)).CombinedOutput()
 	if err == nil || !strings.Contains(string(out), "invalid argument") {
 		t.Fatalf("hint of a row out of range: %v\n%s; want an invalid argument error", err, out)
 	}
@@ -66,16 +69,17 @@ func TestGoClient(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer h.Close()
-	if err := h.Prefill(1, rows[:500]); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Decode(1, rows[500:]); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Wait(); err != nil {
-		t.Fatal(err)
-	}
-	checkResidentAndServed(t, d, 1, rows)
+	hintResidentAndServed(t, d, 1, rows, func() {
+		if err := h.Prefill(1, rows[:500]); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Decode(1, rows[500:]); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Wait(); err != nil {
+			t.Fatal(err)
+		}
+	})
 }
 
 func TestPythonClientFromAnotherProcess(t *testing.T) {
@@ -100,9 +104,10 @@ with Hinter(%q) as h:
     h.wait()
 print("OK")
 `, strings.Join(lit, ","), d.Mountpoint)
-	out, err := exec.Command(python, "-c", script).CombinedOutput()
-	if err != nil || !strings.Contains(string(out), "OK") {
-		t.Fatalf("python hinter: %v\n%s", err, out)
-	}
-	checkResidentAndServed(t, d, 1, rows)
+	hintResidentAndServed(t, d, 1, rows, func() {
+		out, err := exec.Command(python, "-c", script).CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "OK") {
+			t.Fatalf("python hinter: %v\n%s", err, out)
+		}
+	})
 }

@@ -3,6 +3,7 @@ package tests
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -77,6 +78,7 @@ func TestBackingEIOFailsOnlyBadPages(t *testing.T) {
 	maps := layerMaps(t, d, m, 1)
 	rows := randomRows(rand.New(rand.NewPCG(70, 71)), 300, spec.Rows)
 	ctl := openControl(t, d)
+	drops := dropCount(t)
 	if _, err := ctl.Write(hints.AppendBinary(nil, hints.Decode, 1, rows)); err != nil {
 		t.Fatal(err)
 	}
@@ -92,6 +94,11 @@ func TestBackingEIOFailsOnlyBadPages(t *testing.T) {
 		f := openTable(t, d, tb)
 		for _, p := range pagesOf(tb, rows) {
 			_, err := readPage(f, tb, p)
+			if !res[p] && err == nil && dropCount(t) != drops {
+				// Landed, then evicted by someone else's drop_caches.
+				t.Logf("%s page %d: not judged, the page cache was dropped from outside", tb.Path(), p)
+				continue
+			}
 			if res[p] != (err == nil) {
 				t.Fatalf("%s page %d: resident %v after the hint, but read(2) says %v", tb.Path(), p, res[p], err)
 			}
@@ -146,19 +153,19 @@ func TestSlowBackingStillServes(t *testing.T) {
 	// Hints complete, and fsync returns only once they have.
 	rows := randomRows(rng, 100, spec.Rows)
 	ctl := openControl(t, d)
-	if _, err := ctl.Write(hints.AppendBinary(nil, hints.Prefill, 0, rows)); err != nil {
-		t.Fatal(err)
-	}
-	start := time.Now()
-	if err := ctl.Sync(); err != nil {
-		t.Fatal(err)
-	}
-	for tb, b := range maps {
-		if res, total := rowsResident(t, tb, b, rows); res != total {
-			t.Fatalf("%s: fsync returned after %v with %d of %d pages resident", tb.Path(), time.Since(start), res, total)
+	untilNoOutsideDrop(t, "after the barrier", func() error {
+		if _, err := ctl.Write(hints.AppendBinary(nil, hints.Prefill, 0, rows)); err != nil {
+			t.Fatal(err)
 		}
-	}
-	gatherFromMemory(t, d, maps, rows, "after the barrier")
+		start := time.Now()
+		if err := ctl.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		if err := allResident(t, maps, rows); err != nil {
+			return fmt.Errorf("fsync returned after %v: %w", time.Since(start), err)
+		}
+		return gatherFromMemoryErr(t, d, maps, rows)
+	})
 }
 
 func TestShardChangedWhileMountedIsEIO(t *testing.T) {

@@ -55,6 +55,7 @@ func TestPrefillFloodDropsOldestAndDecodeGoesFirst(t *testing.T) {
 	// A decode step during the flood: it must not wait for the flood.
 	ctl := openControl(t, d)
 	rows := randomRows(rng, 72, spec.Rows)
+	drops := dropCount(t)
 	start := time.Now()
 	if _, err := ctl.Write(hints.AppendBinary(nil, hints.Decode, 0, rows)); err != nil {
 		t.Fatal(err)
@@ -77,11 +78,7 @@ func TestPrefillFloodDropsOldestAndDecodeGoesFirst(t *testing.T) {
 	if stored > uint64(decodePages)+2*4*256 {
 		t.Fatalf("%d pages were stored before the decode barrier returned, for a decode step of %d pages: decode did not overtake the queued prefill work", stored, decodePages)
 	}
-	for tb, b := range maps {
-		if res, total := rowsResident(t, tb, b, rows); res != total {
-			t.Fatalf("%s: %d of %d decode pages resident after the barrier", tb.Path(), res, total)
-		}
-	}
+	checkHintedResident(t, d, 0, maps, rows, drops, "decode pages after the barrier")
 	t.Logf("decode barrier took %v; %d pages stored meanwhile for a %d-page step; %d prefill pages dropped", took, stored, decodePages, after.PrefetchPagesDropped)
 
 	// Memory stays bounded: the flood named millions of pages, the daemon
@@ -160,12 +157,15 @@ func TestNoDecodePageLostInAFlood(t *testing.T) {
 	defer h.Close()
 	rng := rand.New(rand.NewPCG(60, 61))
 	var prev []uint64
-	for step := range 40 {
+	const steps, mustJudge = 40, 20
+	judged := 0
+	for step := range steps {
 		rows := randomRows(rng, 72, spec.Rows) // cold
 		if prev != nil {
 			rows = append(rows[:48], prev[:24]...) // hinted again
 		}
 		prev = rows
+		drops := dropCount(t)
 		if err := h.Decode(0, rows); err != nil {
 			t.Fatal(err)
 		}
@@ -188,11 +188,20 @@ func TestNoDecodePageLostInAFlood(t *testing.T) {
 			t.Fatalf("step %d: %v", step, err)
 		}
 		checkStatus(t, fmt.Sprintf("decode step %d", step), st)
-		for tb, b := range maps {
-			if res, total := rowsResident(t, tb, b, rows); res != total {
-				t.Fatalf("step %d: %s: %d of %d decode pages resident after the barrier (status %+v)", step, tb.Path(), res, total, st)
+		if err := allResident(t, maps, rows); err != nil {
+			// A step during which someone else dropped the page cache is
+			// not judged (the pages did land, and were evicted); with no
+			// outside drop a missing page fails at once.
+			if dropCount(t) == drops {
+				t.Fatalf("step %d: decode pages after the barrier (status %+v): %v", step, st, err)
 			}
+			t.Logf("step %d not judged: %v, and the page cache was dropped from outside meanwhile", step, err)
+			continue
 		}
+		judged++
+	}
+	if judged < mustJudge {
+		t.Fatalf("only %d of %d steps could be judged (the page cache was dropped from outside during the others)", judged, steps)
 	}
 	stopAll()
 	s := d.Stats(t)

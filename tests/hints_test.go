@@ -2,6 +2,7 @@ package tests
 
 import (
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -103,11 +104,32 @@ func gatherAndCheck(t testing.TB, d *Daemon, maps map[*backing.Table][]byte, row
 // gather reached FUSE: the rows were to be resident already.
 func gatherFromMemory(t testing.TB, d *Daemon, maps map[*backing.Table][]byte, rows []uint64, what string) {
 	t.Helper()
+	if err := gatherFromMemoryErr(t, d, maps, rows); err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+}
+
+// gatherFromMemoryErr gathers rows (failing the test on a wrong byte) and
+// says whether that reached FUSE.
+func gatherFromMemoryErr(t testing.TB, d *Daemon, maps map[*backing.Table][]byte, rows []uint64) error {
+	t.Helper()
 	before := d.Stats(t)
 	gatherAndCheck(t, d, maps, rows)
 	if after := d.Stats(t); after.FuseReads != before.FuseReads {
-		t.Fatalf("%s: the gather caused %d FUSE reads, want 0", what, after.FuseReads-before.FuseReads)
+		return fmt.Errorf("the gather caused %d FUSE reads, want 0", after.FuseReads-before.FuseReads)
 	}
+	return nil
+}
+
+// allResident says whether every page holding rows is resident in maps.
+func allResident(t testing.TB, maps map[*backing.Table][]byte, rows []uint64) error {
+	t.Helper()
+	for tb, b := range maps {
+		if res, total := rowsResident(t, tb, b, rows); res != total {
+			return fmt.Errorf("%s: %d of %d hinted pages resident", tb.Path(), res, total)
+		}
+	}
+	return nil
 }
 
 func TestDecodeHintThenBarrierMakesRowsResident(t *testing.T) {
@@ -125,19 +147,21 @@ func TestDecodeHintThenBarrierMakesRowsResident(t *testing.T) {
 				} else {
 					frame = hints.AppendText(nil, hints.Decode, 1, rows)
 				}
-				if _, err := ctl.Write(frame); err != nil {
-					t.Fatal(err)
-				}
-				if err := ctl.Sync(); err != nil {
-					t.Fatalf("fsync (barrier): %v", err)
-				}
-				for tb, b := range maps {
-					if res, total := rowsResident(t, tb, b, rows); res != total {
-						t.Fatalf("%s: %d of %d hinted pages resident after the barrier", tb.Path(), res, total)
+				frames := 0
+				untilNoOutsideDrop(t, "after the barrier", func() error {
+					frames++
+					if _, err := ctl.Write(frame); err != nil {
+						t.Fatal(err)
 					}
-				}
-				gatherFromMemory(t, d, maps, rows, "after the barrier")
-				if after := d.Stats(t); after.HintFrames != 1 || after.HintRows != 72 || after.PrefetchPagesStored == 0 {
+					if err := ctl.Sync(); err != nil {
+						t.Fatalf("fsync (barrier): %v", err)
+					}
+					if err := allResident(t, maps, rows); err != nil {
+						return err
+					}
+					return gatherFromMemoryErr(t, d, maps, rows)
+				})
+				if after := d.Stats(t); after.HintFrames != uint64(frames) || after.HintRows != uint64(72*frames) || after.PrefetchPagesStored == 0 {
 					t.Fatalf("stats after one frame: %+v", after)
 				}
 			})
@@ -152,26 +176,19 @@ func TestPrefillHintBecomesResidentWithoutWait(t *testing.T) {
 	maps := layerMaps(t, d, m, 0)
 	rows := randomRows(rand.New(rand.NewPCG(7, 8)), 500, spec.Rows)
 	ctl := openControl(t, d)
-	if _, err := ctl.Write(hints.AppendBinary(nil, hints.Prefill, 0, rows)); err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		all := true
-		for tb, b := range maps {
-			if res, total := rowsResident(t, tb, b, rows); res != total {
-				all = false
+	untilNoOutsideDrop(t, "prefetched rows", func() error {
+		if _, err := ctl.Write(hints.AppendBinary(nil, hints.Prefill, 0, rows)); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for allResident(t, maps, rows) != nil {
+			if time.Now().After(deadline) {
+				return fmt.Errorf("prefill rows not resident after 30 s; stats %+v", d.Stats(t))
 			}
+			time.Sleep(20 * time.Millisecond)
 		}
-		if all {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("prefill rows not resident after 30 s; stats %+v", d.Stats(t))
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	gatherFromMemory(t, d, maps, rows, "prefetched rows")
+		return gatherFromMemoryErr(t, d, maps, rows)
+	})
 }
 
 func TestBadFrameIsRefusedAndTheNextWorks(t *testing.T) {
@@ -190,6 +207,7 @@ func TestBadFrameIsRefusedAndTheNextWorks(t *testing.T) {
 		"text bad row":     []byte("decode 0 12x\n"),
 	}
 	good := []uint64{3, 1000, 17000}
+	drops := dropCount(t)
 	for name, frame := range bad {
 		_, err := ctl.Write(frame)
 		if !errors.Is(err, syscall.EINVAL) {
@@ -203,14 +221,10 @@ func TestBadFrameIsRefusedAndTheNextWorks(t *testing.T) {
 			t.Fatalf("%s: barrier after a good frame: %v", name, err)
 		}
 	}
-	for tb, b := range maps {
-		if res, total := rowsResident(t, tb, b, good); res != total {
-			t.Fatalf("%s: %d of %d pages resident", tb.Path(), res, total)
-		}
-	}
 	if st := d.Stats(t); st.HintRejected != uint64(len(bad)) || st.HintFrames != uint64(len(bad)) {
 		t.Fatalf("hint_rejected %d, hint_frames %d; want %d each", st.HintRejected, st.HintFrames, len(bad))
 	}
+	checkHintedResident(t, d, 0, maps, good, drops, "the good frames")
 }
 
 func TestFramesSplitAcrossManySmallWrites(t *testing.T) {
@@ -224,6 +238,7 @@ func TestFramesSplitAcrossManySmallWrites(t *testing.T) {
 	stream = append(stream, "# a comment line\n"...)
 	stream = hints.AppendText(stream, hints.Prefill, 1, rowsB)
 	ctl := openControl(t, d)
+	drops := dropCount(t)
 	for i := 0; i < len(stream); i += 7 {
 		if _, err := ctl.Write(stream[i:min(i+7, len(stream))]); err != nil {
 			t.Fatalf("write at %d: %v", i, err)
@@ -232,14 +247,10 @@ func TestFramesSplitAcrossManySmallWrites(t *testing.T) {
 	if err := ctl.Sync(); err != nil {
 		t.Fatal(err)
 	}
-	for tb, b := range maps {
-		if res, total := rowsResident(t, tb, b, append(rowsA, rowsB...)); res != total {
-			t.Fatalf("%s: %d of %d pages resident", tb.Path(), res, total)
-		}
-	}
 	if st := d.Stats(t); st.HintFrames != 2 || st.HintRows != 600 {
 		t.Fatalf("frames %d rows %d, want 2 and 600", st.HintFrames, st.HintRows)
 	}
+	checkHintedResident(t, d, 1, maps, append(rowsA, rowsB...), drops, "split frames")
 }
 
 func TestSeveralProcessesHintAtOnce(t *testing.T) {
@@ -248,6 +259,7 @@ func TestSeveralProcessesHintAtOnce(t *testing.T) {
 	m := Model(t, d.ModelDir)
 	maps := layerMaps(t, d, m, 0)
 	var wg sync.WaitGroup
+	drops := dropCount(t)
 	errs := make(chan error, 8)
 	all := make([][]uint64, 8)
 	for i := range all {
@@ -285,10 +297,6 @@ func TestSeveralProcessesHintAtOnce(t *testing.T) {
 	for _, r := range all {
 		rows = append(rows, r...)
 	}
-	for tb, b := range maps {
-		if res, total := rowsResident(t, tb, b, rows); res != total {
-			t.Fatalf("%s: %d of %d pages resident", tb.Path(), res, total)
-		}
-	}
+	checkHintedResident(t, d, 0, maps, rows, drops, "rows hinted by several processes")
 	gatherFromMemory(t, d, maps, rows, "rows hinted by several processes")
 }
