@@ -186,14 +186,17 @@ func (r *geomRun) objectStoreRun(ctx context.Context, rep *ObjectStoreReport) (e
 	rep.Upload = time.Since(t0)
 	r.prog.printf("uploaded %s to versitygw in %v", fmtBytes(float64(rep.UploadBytes)), rep.Upload.Round(100*time.Millisecond))
 
-	proxy, err := s3serve.NewLatencyProxy(srv.Endpoint, s3serve.Latency{
+	// In a child process: this one faults pages whose GETs go through the
+	// proxy (see s3serve.StartLatencyProxy).
+	proxy, err := s3serve.StartLatencyProxy(srv.Endpoint, s3serve.Latency{
 		FirstByte: oc.FirstByte, SlowFirstByte: oc.SlowFirstByte, SlowFraction: oc.SlowFraction, Seed: r.cfg.Seed})
 	if err != nil {
 		return err
 	}
 	defer func() {
-		rep.Responses, rep.SlowResponses = proxy.Responses()
-		err = errors.Join(err, proxy.Close())
+		var cerr error
+		rep.Responses, rep.SlowResponses, cerr = proxy.Responses()
+		err = errors.Join(err, cerr, proxy.Close())
 	}()
 	env := append(append([]string{}, r.env...), s3serve.Env()...)
 	flags := append(append([]string{}, r.flags...), "--s3-endpoint", proxy.URL)
@@ -211,7 +214,10 @@ func (r *geomRun) objectStoreRun(ctx context.Context, rep *ObjectStoreReport) (e
 				err = errors.Join(err, fmt.Errorf("object store: stopping the daemon: %w", serr))
 			}
 		}()
-		return body(d)
+		if err := body(d); err != nil {
+			return fmt.Errorf("%w\n%s", err, d.Log())
+		}
+		return nil
 	}
 
 	// 6: decode with hints, cold; then single cold faults on the same mount.
@@ -274,7 +280,8 @@ func (r *geomRun) objectStoreDecode(ctx context.Context, d *Daemon, name string)
 // coldMisses times single faults on cold pages of layer 0's widest table
 // (a page a row in the big geometry) that the decode did not touch: one
 // GET each, on the demand path, hedged after the recent p95.
-func (r *geomRun) coldMisses(ctx context.Context, d *Daemon) (*ColdMisses, error) {
+func (r *geomRun) coldMisses(ctx context.Context, d *Daemon) (_ *ColdMisses, err error) {
+	defer guardFaults(&err)()
 	n := r.cfg.ObjectStore.Misses
 	if n <= 0 {
 		return nil, nil

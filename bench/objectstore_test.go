@@ -2,12 +2,15 @@ package bench
 
 import (
 	"bytes"
+	"context"
 	"math"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/engramfs/engramfs/backing/s3source/s3test"
 	"github.com/engramfs/engramfs/internal/stats"
+	"github.com/engramfs/engramfs/tests"
 )
 
 // fakeObjectStore is an object-store run in round numbers on fakeReport's
@@ -141,5 +144,55 @@ func TestNoObjectStore(t *testing.T) {
 	cfg.ObjectStore.Skip = true
 	if rep := noObjectStore(&cfg); rep == nil || rep.Skipped != "--no-s3" {
 		t.Errorf("--no-s3: %+v", rep)
+	}
+}
+
+// The object-store run end to end on a tiny model: every measurement
+// reads through the proxy (misses no faster than the injected first byte),
+// the mirror is filled and then read, and the run's targets are judged.
+func TestObjectStoreRunTiny(t *testing.T) {
+	tests.RequireFUSE(t)
+	s3test.Binary(t)
+	cfg := tinyConfig(t)
+	cfg.Geometries = cfg.Geometries[:1] // big
+	cfg.Paths = []PathID{PathHints}
+	cfg.ObjectStore = ObjectStoreConfig{FirstByte: 5 * time.Millisecond, SlowFirstByte: 50 * time.Millisecond, SlowFraction: 0.05,
+		PrefillLead: 300 * time.Millisecond, Misses: 30}
+	var progress bytes.Buffer
+	cfg.Progress = &progress
+	rep, err := Run(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("%v\nprogress:\n%s", err, progress.String())
+	}
+	noBenchMounts(t)
+	o := rep.ObjectStore
+	if o == nil || o.Skipped != "" || o.Failed != "" {
+		t.Fatalf("object-store run: %+v\nprogress:\n%s", o, progress.String())
+	}
+	for name, c := range map[string]*ObjectStoreDecode{"cold": o.Cold, "filling": o.Filling} {
+		if c == nil || c.Phase.Stats == nil || c.Phase.Stats.S3Gets == 0 || c.BytesPerPage <= 0 || c.DistinctPages == 0 || c.Phase.Hint == nil {
+			t.Errorf("%s decode: %+v", name, c)
+		}
+	}
+	if m := o.Mirror; m == nil || m.Phase.Stats == nil || m.Phase.Stats.MirrorHits == 0 {
+		t.Errorf("mirror warm decode: no mirror hits: %+v", m)
+	}
+	if ms := o.Misses; ms == nil || ms.Times.N != 30 || ms.Gets < 30 || ms.Times.P50 < cfg.ObjectStore.FirstByte {
+		t.Errorf("cold misses: %+v; want 30, a GET each, none before the first byte (%v)", ms, cfg.ObjectStore.FirstByte)
+	}
+	if p := o.Prefill; p == nil || p.Pages == 0 || p.Resident+p.Late != p.Pages || p.Gets == 0 || p.Failed != "" || p.Settled <= 0 {
+		t.Errorf("prefill deadline: %+v", p)
+	}
+	if o.Responses == 0 || o.LocalHints == 0 {
+		t.Errorf("proxy responses %d, local path 5 reference %v", o.Responses, o.LocalHints)
+	}
+	ids := map[string]bool{}
+	for _, tg := range rep.Targets {
+		ids[tg.ID] = true
+	}
+	for _, id := range []string{TargetS3BytesPerPage, TargetS3Prefill, TargetS3Mirror, TargetS3MissP50, TargetS3MissTail} {
+		if !ids[id] {
+			t.Errorf("target %s not judged", id)
+		}
 	}
 }

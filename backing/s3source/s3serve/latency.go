@@ -1,6 +1,7 @@
 package s3serve
 
 import (
+	"encoding/json"
 	"errors"
 	"math/rand/v2"
 	"net"
@@ -60,6 +61,11 @@ func NewLatencyProxy(endpoint string, lat Latency) (*LatencyProxy, error) {
 	rp.Transport = tr
 	p := &LatencyProxy{URL: "http://" + ln.Addr().String(), lat: lat, ln: ln, rng: rand.New(rand.NewPCG(lat.Seed, 0x1a7e))}
 	p.srv = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == statsPath {
+			all, slow := p.Responses()
+			_ = json.NewEncoder(w).Encode(proxyCounts{Responses: all, Slow: slow})
+			return
+		}
 		rp.ServeHTTP(&delayWriter{ResponseWriter: w, until: time.Now().Add(p.delay())}, r)
 	})}
 	go func() { _ = p.srv.Serve(ln) }()

@@ -104,3 +104,41 @@ func TestLatencyProxy(t *testing.T) {
 		})
 	}
 }
+
+// The proxy in a child process (the test binary re-run): the same bytes,
+// no first byte before the injected latency, its counts over HTTP.
+func TestLatencyProxyProcess(t *testing.T) {
+	body := bytes.Repeat([]byte("engram rows "), 50_000)
+	upstream := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write(body) }))
+	defer upstream.Close()
+	const delay = 40 * time.Millisecond
+	p, err := StartLatencyProxy(upstream.URL, Latency{FirstByte: delay, SlowFirstByte: delay, SlowFraction: 0.5, Seed: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := p.Close(); err != nil {
+			t.Errorf("close: %v", err)
+		}
+	}()
+	for i := 0; i < 4; i++ {
+		start := time.Now()
+		resp, err := http.Get(p.URL + "/models/x")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ttfb := time.Since(start) // Get returns once the headers are in
+		got, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil || !bytes.Equal(got, body) {
+			t.Fatalf("GET %d: %d bytes (%v), want the %d upstream bytes", i, len(got), err, len(body))
+		}
+		if ttfb < delay {
+			t.Errorf("GET %d: headers after %v, want at least %v", i, ttfb, delay)
+		}
+	}
+	all, slow, err := p.Responses()
+	if err != nil || all != 4 || slow > 4 {
+		t.Errorf("counts %d (slow %d), %v; want 4", all, slow, err)
+	}
+}
