@@ -107,7 +107,10 @@ type PrefillDeadline struct {
 	GetBytes       uint64        `json:"get_bytes"`
 	BytesPerPage   float64       `json:"s3_bytes_per_page_byte"`
 	Dropped        uint64        `json:"prefetch_pages_dropped"`
-	Failed         string        `json:"barrier_failed,omitempty"`
+	// GetFloor is the least time those GETs take at the daemon's queue depth
+	// (its most GETs in flight), each waiting one first byte.
+	GetFloor time.Duration `json:"get_floor_ns"`
+	Failed   string        `json:"barrier_failed,omitempty"`
 }
 
 // noObjectStore says why the object-store run did not happen, or nil when
@@ -437,6 +440,9 @@ func (r *geomRun) prefillDeadline(ctx context.Context, d *Daemon) (*PrefillDeadl
 	out.Gets, out.GetBytes = after.S3Gets-before.S3Gets, after.S3GetBytes-before.S3GetBytes
 	out.BytesPerPage = float64(out.GetBytes) / float64(total*4096)
 	out.Dropped = after.PrefetchPagesDropped - before.PrefetchPagesDropped
+	if qd := uint64(max(r.cfg.QueueDepth, 1)); out.Gets > 0 {
+		out.GetFloor = time.Duration((out.Gets+qd-1)/qd) * r.cfg.ObjectStore.FirstByte
+	}
 	return out, nil
 }
 
@@ -487,7 +493,7 @@ func (r *Report) objectStoreTargets() []Target {
 	if p := o.Prefill; p != nil {
 		add(Target{ID: TargetS3Prefill, Name: fmt.Sprintf("prefill chunk hinted %v ahead: resident by its deadline", p.Lead), AtLeast: true,
 			Value: p.Fraction, Bound: s3PrefillBound,
-			Detail: fmt.Sprintf("%d of %d pages, %d late; all settled after %s", p.Resident, p.Pages, p.Late, fmtDur(p.Settled))},
+			Detail: fmt.Sprintf("%d of %d pages, %d late; all settled after %s (its %d GETs need %s at the least)", p.Resident, p.Pages, p.Late, fmtDur(p.Settled), p.Gets, fmtDur(p.GetFloor))},
 			p.Fraction >= s3PrefillBound)
 	}
 	if m := o.Mirror; m != nil && m.Phase.Stats != nil {
@@ -553,8 +559,8 @@ func (r *Report) writeObjectStore(w io.Writer) {
 			ms.Times.N, fmtDur(ms.Times.P50), fmtDur(ms.P95), fmtDur(ms.Times.P99), fmtDur(ms.Times.Max), ms.Gets, ms.Hedges)
 	}
 	if p := o.Prefill; p != nil {
-		fmt.Fprintf(w, "  %-28s %d pages (%d resident before): %d resident at the deadline (%.1f%%), %d late; barrier after %s; %d GETs, %.2f object-store bytes per page byte, %d dropped",
-			fmt.Sprintf("8 prefill hinted %v ahead:", p.Lead), p.Pages, p.ResidentBefore, p.Resident, 100*p.Fraction, p.Late, fmtDur(p.Settled), p.Gets, p.BytesPerPage, p.Dropped)
+		fmt.Fprintf(w, "  %-28s %d pages (%d resident before): %d resident at the deadline (%.1f%%), %d late; barrier after %s; %d GETs (%s at the least, one first byte per queue depth of them), %.2f object-store bytes per page byte, %d dropped",
+			fmt.Sprintf("8 prefill hinted %v ahead:", p.Lead), p.Pages, p.ResidentBefore, p.Resident, 100*p.Fraction, p.Late, fmtDur(p.Settled), p.Gets, fmtDur(p.GetFloor), p.BytesPerPage, p.Dropped)
 		if p.Failed != "" {
 			fmt.Fprintf(w, "; barrier FAILED: %s", p.Failed)
 		}
