@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 	"unsafe"
@@ -201,14 +202,11 @@ func (r *geomRun) objectStoreRun(ctx context.Context, rep *ObjectStoreReport) (e
 		rep.Responses, rep.SlowResponses, cerr = proxy.Responses()
 		err = errors.Join(err, cerr, proxy.Close())
 	}()
-	env := append(append([]string{}, r.env...), s3serve.Env()...)
-	flags := append(append([]string{}, r.flags...), "--s3-endpoint", proxy.URL)
-	mount := func(extra ...string) (*Daemon, error) {
-		return StartDaemon(ctx, r.cfg.Binary, append(flags, extra...), env, rep.URL)
-	}
+	env := slices.Concat(r.env, s3serve.Env())
 	// withDaemon runs body on a fresh mount and stops it after.
 	withDaemon := func(extra []string, body func(d *Daemon) error) (err error) {
-		d, err := mount(extra...)
+		flags := slices.Concat(r.flags, []string{"--s3-endpoint", proxy.URL}, extra)
+		d, err := StartDaemon(ctx, r.cfg.Binary, flags, env, rep.URL)
 		if err != nil {
 			return err
 		}
@@ -224,7 +222,7 @@ func (r *geomRun) objectStoreRun(ctx context.Context, rep *ObjectStoreReport) (e
 	}
 
 	// 6: decode with hints, cold; then single cold faults on the same mount.
-	if err := withDaemon(nil, func(d *Daemon) error {
+	if err := withDaemon(nil, func(d *Daemon) (err error) {
 		if rep.Cold, err = r.objectStoreDecode(ctx, d, "decode, cold"); err != nil {
 			return err
 		}
@@ -235,7 +233,7 @@ func (r *geomRun) objectStoreRun(ctx context.Context, rep *ObjectStoreReport) (e
 	}
 
 	// 8: a prefill chunk hinted ahead of its deadline, on a fresh mount.
-	if err := withDaemon(nil, func(d *Daemon) error {
+	if err := withDaemon(nil, func(d *Daemon) (err error) {
 		rep.Prefill, err = r.prefillDeadline(ctx, d)
 		return err
 	}); err != nil {
@@ -244,13 +242,13 @@ func (r *geomRun) objectStoreRun(ctx context.Context, rep *ObjectStoreReport) (e
 
 	// 7: a pass fills the mirror; remounted over it, the same decode.
 	mirror := []string{"--s3-mirror", filepath.Join(tmp, "mirror"), "--s3-mirror-size", fmt.Sprintf("%dMiB", rep.UploadBytes>>20+64)}
-	if err := withDaemon(mirror, func(d *Daemon) error {
+	if err := withDaemon(mirror, func(d *Daemon) (err error) {
 		rep.Filling, err = r.objectStoreDecode(ctx, d, "decode, filling the mirror")
 		return err
 	}); err != nil {
 		return err
 	}
-	return withDaemon(mirror, func(d *Daemon) error {
+	return withDaemon(mirror, func(d *Daemon) (err error) {
 		rep.Mirror, err = r.objectStoreDecode(ctx, d, "decode, mirror warm")
 		return err
 	})
