@@ -181,7 +181,7 @@ func TestS3MirrorAcrossMounts(t *testing.T) {
 	}
 }
 
-// Hinted decode steps of Zipf-free random rows at decode's density (72
+// Hinted decode steps of uniformly random rows at decode's density (72
 // rows a layer in a table of 16K rows): the object store is asked for
 // about the pages the rows need, not for the gaps between them.
 //
