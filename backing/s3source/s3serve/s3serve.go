@@ -19,6 +19,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
@@ -94,6 +95,8 @@ func Start(bin, root string) (*Server, error) {
 			"--port", addr, "--keep-alive", "--quiet", "posix", "--io-buffer-size", "16384", root)
 		var out bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &out, &out
+		// A parent that dies without Stop (a crashed test) takes it along.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		if err := cmd.Start(); err != nil {
 			return nil, fmt.Errorf("starting versitygw: %w", err)
 		}
