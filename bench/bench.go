@@ -167,6 +167,15 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 				gr.Paths = append(gr.Paths, &PathResult{Path: p, Label: p.Label(), Skipped: "no FUSE (needs root and /dev/fuse)"})
 			}
 		}
+		if g.Name == GeometryBig && rep.ObjectStore == nil {
+			if rep.ObjectStore, err = run.objectStore(ctx); err != nil {
+				rep.finish(cfg.QueueDepth)
+				return rep, err
+			}
+		}
+	}
+	if rep.ObjectStore == nil && !cfg.ObjectStore.Skip {
+		rep.ObjectStore = &ObjectStoreReport{Skipped: "the big geometry was not measured"}
 	}
 	if err := measureDisk("end"); err != nil {
 		return rep, err

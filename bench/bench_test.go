@@ -38,6 +38,7 @@ func tinyConfig(t *testing.T) Config {
 	c.MmapWorkers = 8
 	c.PreadWorkers = 4
 	c.Drop = DropFiles
+	c.ObjectStore.Skip = true // TestObjectStoreRunTiny runs it
 	return c
 }
 

@@ -117,6 +117,9 @@ type Config struct {
 	PrefetchQueue int // 0: the daemon's default
 	CacheSize     string
 	ReadEngine    string // auto, io_uring or pread
+	// ObjectStore is the object-store run on the big geometry.
+	ObjectStore ObjectStoreConfig
+
 	// DaemonGOMAXPROCS, if > 0, runs the daemon with GOMAXPROCS set to it
 	// (an experiment: the daemon's blocking preads and FUSE reads each hold
 	// one of GOMAXPROCS Ps until the runtime hands it off).
@@ -151,6 +154,7 @@ func DefaultConfig() Config {
 		QueueDepth:    64,
 		BackingIO:     "auto",
 		ReadEngine:    "auto",
+		ObjectStore:   DefaultObjectStore(),
 	}
 }
 

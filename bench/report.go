@@ -34,6 +34,9 @@ type Report struct {
 	Geometries []*GeometryReport `json:"geometries"`
 	Targets    []Target          `json:"targets"`
 	Notes      []string          `json:"notes,omitempty"`
+
+	// ObjectStore is the object-store run (nil: --no-s3).
+	ObjectStore *ObjectStoreReport `json:"object_store,omitempty"`
 }
 
 // Settings are the knobs of the run that shape its figures.
@@ -222,6 +225,7 @@ func (r *Report) finish(queueDepth int) {
 		}
 		r.Targets = append(r.Targets, judge(g, r.Disk, r.Fio, queueDepth)...)
 	}
+	r.Targets = append(r.Targets, r.objectStoreTargets()...)
 }
 
 // The targets' IDs.
@@ -451,6 +455,7 @@ func (r *Report) WriteTable(w io.Writer) {
 			fmt.Fprintf(w, "cold caches before each path and phase: %s; daemon cpu µs/page is its CPU over the phase per 4 KiB of backing reads; rss max includes the table pages its hot tier pins, anon is its heap at the end\n", strings.Join(cs, ", "))
 		}
 	}
+	r.writeObjectStore(w)
 	if len(r.Targets) > 0 {
 		fmt.Fprintf(w, "\ntargets (measured ratio, bound):\n")
 		for _, t := range r.Targets {

