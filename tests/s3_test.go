@@ -183,17 +183,9 @@ func TestS3MirrorAcrossMounts(t *testing.T) {
 
 // Hinted decode steps of uniformly random rows at decode's density (72
 // rows a layer in a table of 16K rows): the object store is asked for
-// about the pages the rows need, not for the gaps between them.
-//
-// A known miss (2026-12-01): reads submitted together within 64 KiB are one
-// GET (s3source.Config.MergeGap), and at decode's density that fetches the
-// gaps too: 3.8 bytes per page byte here, 1.36 in the bench's decode
-// (s3-bytes-per-page). Remove the skip when the merge bounds the bytes it
-// adds.
+// about the pages the rows need, not for the gaps between them (with the
+// 64 KiB merge gap alone it was asked for 3.8 bytes per page byte).
 func TestS3HintedBytesPerPage(t *testing.T) {
-	if os.Getenv("ENGRAMFS_S3_KNOWN_MISSES") != "1" {
-		t.Skip("known miss: the 64 KiB merge gap fetches the gaps between hinted pages (3.8x); ENGRAMFS_S3_KNOWN_MISSES=1 runs it")
-	}
 	spec := backing.DefaultSynth()
 	spec.Rows = 16384
 	d, dir, _ := s3Model(t, spec, "--cache-size", "0")

@@ -37,6 +37,11 @@ type Config struct {
 	// MergeGap: reads submitted together at most this far apart are one GET
 	// (default 64 KiB); MaxGet bounds a merged GET (default 1 MiB).
 	MergeGap, MaxGet int64
+	// MergeWaste bounds the bytes a merge fetches that no read asked for
+	// (the gaps), as a fraction of the bytes the GET's reads want (default
+	// 0.25: at most 1.25 bytes fetched per byte wanted; negative: no gap is
+	// fetched, only adjacent and overlapping reads are merged).
+	MergeWaste float64
 	// Attempts bounds the GETs of one read: the first and its retries
 	// (default 4). Backoff is the first retry's wait, doubled each time
 	// (default 20 ms), with jitter.
@@ -56,7 +61,7 @@ type Config struct {
 // DefaultConfig returns the defaults of Config.
 func DefaultConfig() Config {
 	return Config{
-		Concurrency: 64, MergeGap: 64 << 10, MaxGet: 1 << 20,
+		Concurrency: 64, MergeGap: 64 << 10, MaxGet: 1 << 20, MergeWaste: 0.25,
 		Attempts: 4, Backoff: 20 * time.Millisecond, AttemptTimeout: 30 * time.Second,
 		HedgeFloor: 5 * time.Millisecond, HedgePercent: 5,
 	}
@@ -127,6 +132,12 @@ func withDefaults(cfg Config) Config {
 	}
 	if cfg.MergeGap < 0 {
 		cfg.MergeGap = 0
+	}
+	switch {
+	case cfg.MergeWaste == 0:
+		cfg.MergeWaste = d.MergeWaste
+	case cfg.MergeWaste < 0:
+		cfg.MergeWaste = 0
 	}
 	if cfg.Attempts <= 0 {
 		cfg.Attempts = d.Attempts
@@ -384,7 +395,7 @@ func (sh *shard) submitGETs(valid []*backing.ShardRead) {
 	if len(valid) == 0 {
 		return
 	}
-	spans := plan(valid, sh.src.cfg.MergeGap, sh.src.cfg.MaxGet)
+	spans := plan(valid, sh.src.cfg.MergeGap, sh.src.cfg.MaxGet, sh.src.cfg.MergeWaste)
 	if sh.mir != nil {
 		for i := range spans {
 			lo, hi := sh.mirrorAligned(spans[i].off, spans[i].off+spans[i].n)

@@ -3,6 +3,7 @@ package s3source
 import (
 	"bytes"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -86,7 +87,7 @@ func TestPlan(t *testing.T) {
 		rd(81828+64<<10+1, 1), // a gap of 64 KiB + 1: a span of its own
 		rd(10<<20, 3<<20),     // longer than max: alone
 	}
-	spans := plan(reads, 64<<10, 1<<20)
+	spans := plan(reads, 64<<10, 1<<20, math.Inf(1))
 	type got struct {
 		off, n int64
 		reads  int
@@ -115,7 +116,7 @@ func TestPlan(t *testing.T) {
 		reads = append(reads, rd(i*8192, 4096))
 	}
 	total := 0
-	for _, s := range plan(reads, 64<<10, 1<<20) {
+	for _, s := range plan(reads, 64<<10, 1<<20, math.Inf(1)) {
 		if s.n > 1<<20 {
 			t.Errorf("span of %d bytes, over 1 MiB", s.n)
 		}
@@ -123,6 +124,64 @@ func TestPlan(t *testing.T) {
 	}
 	if total != 300 {
 		t.Errorf("spans answer %d reads, want 300", total)
+	}
+}
+
+// TestPlanWaste: a gap joins a span only while the span's unwanted bytes
+// stay within waste times its wanted bytes.
+func TestPlanWaste(t *testing.T) {
+	rd := func(off int64, n int) *backing.ShardRead { return &backing.ShardRead{Off: off, Len: n} }
+	spans := func(waste float64, reads ...*backing.ShardRead) [][2]int64 {
+		var out [][2]int64
+		for _, s := range plan(reads, 64<<10, 1<<20, waste) {
+			if s.n-s.want > int64(waste*float64(s.want)) {
+				t.Errorf("span %+v carries %d unwanted bytes for %d wanted, over %.2f", [2]int64{s.off, s.n}, s.n-s.want, s.want, waste)
+			}
+			out = append(out, [2]int64{s.off, s.n})
+		}
+		return out
+	}
+	check := func(what string, got, want [][2]int64) {
+		t.Helper()
+		if len(got) != len(want) {
+			t.Fatalf("%s: spans %v, want %v", what, got, want)
+		}
+		for i := range want {
+			if got[i] != want[i] {
+				t.Errorf("%s: span %d = %v, want %v", what, i, got[i], want[i])
+			}
+		}
+	}
+	// Two lone pages 8 KiB apart: 8 KiB of gap for 8 KiB wanted is over 25%.
+	check("lone pages", spans(0.25, rd(0, 4096), rd(12288, 4096)), [][2]int64{{0, 4096}, {12288, 4096}})
+	// Adjacent and overlapping reads carry no gap: one span at any waste.
+	check("adjacent", spans(0, rd(0, 4096), rd(4096, 4096), rd(6000, 4096)), [][2]int64{{0, 10096}})
+	// A dense run of 8 pages takes a 4 KiB gap (4 KiB for 36 KiB wanted).
+	var dense []*backing.ShardRead
+	for i := int64(0); i < 8; i++ {
+		dense = append(dense, rd(i*4096, 4096))
+	}
+	dense = append(dense, rd(9*4096, 4096))
+	check("dense run and a gap", spans(0.25, dense...), [][2]int64{{0, 10 * 4096}})
+	// At waste 1, the lone pages are one GET (8 KiB of gap for 8 KiB wanted).
+	check("waste 1", spans(1, rd(0, 4096), rd(12288, 4096)), [][2]int64{{0, 16384}})
+	// 3000 random pages of a 1 GiB shard: at most 1.25 bytes per wanted byte.
+	rng := rand.New(rand.NewPCG(3, 4))
+	var random []*backing.ShardRead
+	wanted := map[int64]bool{}
+	for len(random) < 3000 {
+		p := rng.Int64N(1 << 18)
+		if !wanted[p] {
+			wanted[p] = true
+			random = append(random, rd(p*4096, 4096))
+		}
+	}
+	var fetched int64
+	for _, s := range spans(0.25, random...) {
+		fetched += s[1]
+	}
+	if r := float64(fetched) / float64(3000*4096); r > 1.25 {
+		t.Errorf("random pages: %.3f bytes fetched per byte wanted", r)
 	}
 }
 
@@ -260,7 +319,9 @@ func TestETagChange(t *testing.T) {
 // span; reads far apart are a GET each; nothing else is asked for.
 func TestMergesNearbyReads(t *testing.T) {
 	dir := synth(t)
-	src, f, st := newFakeSource(t, dir, testConfig())
+	cfg := testConfig()
+	cfg.MergeWaste = 100 // the gap rule alone (TestPlanWaste bounds the waste)
+	src, f, st := newFakeSource(t, dir, cfg)
 	want, sf := shardBytes(t, dir, src)
 	offs := []int64{40960, 8192, 8192 + 4096, 1 << 20, 40960 + 64<<10 + 4096}
 	data, errs := readPages(t, sf, offs, 4096)
