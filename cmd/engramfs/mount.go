@@ -244,13 +244,15 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	if d.store, err = backing.Open(model, d.source, st); err != nil {
 		return nil, err
 	}
-	var src backing.Reader = d.store
+	// Backing reads are timed as the store answers them: injected latency
+	// is not the disk's.
+	src := backing.Timed(d.store, st.Timings)
 	if mf.injectFaults != "" {
 		spec, err := backing.ParseFaultSpec(mf.injectFaults)
 		if err != nil {
 			return nil, usageError{err}
 		}
-		src = backing.NewFaultReader(d.store, spec, st)
+		src = backing.NewFaultReader(src, spec, st)
 		log.Warn("injecting backing faults (testing only)", zap.String("faults", spec.String()))
 	}
 	loader := cache.NewLoader(src, model.Tables, st)
