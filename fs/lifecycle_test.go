@@ -2,7 +2,6 @@ package fs
 
 import (
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"sync"
@@ -16,6 +15,7 @@ import (
 	"github.com/engramfs/engramfs/hints"
 	"github.com/engramfs/engramfs/internal/stats"
 	"github.com/engramfs/engramfs/prefetch"
+	"github.com/engramfs/engramfs/tests"
 )
 
 // newTestServer builds (does not mount) the tree of a small synthetic model.
@@ -87,27 +87,6 @@ func TestPushBeforeServeIsErrNotServing(t *testing.T) {
 	}
 }
 
-// requireFUSE skips unless this process can mount FUSE directly, or fails
-// when ENGRAMFS_REQUIRE_FUSE=1 (tests/harness.go has the same rule).
-func requireFUSE(t *testing.T) {
-	t.Helper()
-	why := ""
-	if os.Geteuid() != 0 {
-		why = "mount tests need root"
-	} else if f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0); err != nil {
-		why = fmt.Sprintf("mount tests need /dev/fuse: %v", err)
-	} else {
-		f.Close()
-	}
-	if why == "" {
-		return
-	}
-	if os.Getenv("ENGRAMFS_REQUIRE_FUSE") == "1" {
-		t.Fatalf("%s, and ENGRAMFS_REQUIRE_FUSE=1 requires it", why)
-	}
-	t.Skip(why)
-}
-
 // faultLog is a FaultSink that remembers the pages it heard of.
 type faultLog struct {
 	mu   sync.Mutex
@@ -125,7 +104,7 @@ func (f *faultLog) Faulted(keys []cache.PageKey) {
 // (NOTIFY_STORE answers ENOENT for an inode never looked up); faults reach
 // the connected sink; Close stops pushes; Unmount leaves no mount.
 func TestServeLifecycle(t *testing.T) {
-	requireFUSE(t)
+	tests.RequireFUSE(t)
 	srv, m, _, _ := newTestServer(t)
 	faults := &faultLog{}
 	srv.Connect(nil, faults)
