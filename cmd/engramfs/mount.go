@@ -215,9 +215,11 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	st := &stats.Counters{}
 	st.ReadEngine = engine.Name()
 	d.st = st
-	if d.source, err = openSource(modelDir, mf, engine, st); err != nil {
-		return nil, err
+	source, err := openSource(modelDir, mf, engine, st)
+	if err != nil {
+		return nil, err // (a nil *s3source.Source in a Source is not nil: keep it out of d)
 	}
+	d.source = source
 	model, err := backing.LoadSource(d.source, mf.tablePattern)
 	if err != nil {
 		return nil, err
@@ -236,10 +238,12 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		if err != nil {
 			return nil, err
 		}
-		if d.metrics, err = metrics.Serve(mf.metricsAddr, r, log); err != nil {
+		reg, err := metrics.Serve(mf.metricsAddr, r, log)
+		if err != nil {
 			return nil, usageError{fmt.Errorf("--metrics-addr %q: %w", mf.metricsAddr, err)}
 		}
-		log.Info("serving metrics", zap.String("addr", "http://"+d.metrics.Addr()+"/metrics"))
+		d.metrics = reg
+		log.Info("serving metrics", zap.String("addr", "http://"+reg.Addr()+"/metrics"))
 	}
 	if d.store, err = backing.Open(model, d.source, st); err != nil {
 		return nil, err
@@ -385,10 +389,10 @@ func (d *daemon) saveWarmState() {
 //  1. the warm-up and the prefetcher stop: nothing is pushed any more, and
 //     no hint adds to the hot set, which is saved while it is still there;
 //  2. the hot tier unlocks and unmaps the daemon's own mappings of the
-//     table files, and the server closes its own opens of them: while
-//     either exists the mount is busy (design.md), and unmounting first
-//     would detach it lazily on every stop;
-//  3. the unmount;
+//     table files: while they exist the mount is busy (design.md), and
+//     unmounting first would detach it lazily on every stop;
+//  3. the unmount (the server closes its own opens of the table files
+//     first, for the same reason);
 //  4. the shards, then the source (an object store's mirror writes the
 //     pages still queued), then the read engine that served them.
 func (d *daemon) stop(unmount bool) error {
