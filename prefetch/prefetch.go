@@ -215,7 +215,7 @@ func (p *Prefetcher) SubmitPart(b *Barrier, class hints.Class, layer int, rows [
 func (p *Prefetcher) SubmitPages(keys []cache.PageKey, sig cache.Signal, b *Barrier) {
 	var valid []cache.PageKey
 	for _, k := range keys {
-		if t := p.table(k.Table); t != nil && k.Page >= t.DataPage() && k.Page < t.Pages() {
+		if t := p.modelTable(k.Table); t != nil && k.Page >= t.DataPage() && k.Page < t.Pages() {
 			valid = append(valid, k)
 		}
 	}
@@ -369,7 +369,8 @@ func (p *Prefetcher) publishLocked() {
 	}
 }
 
-func (p *Prefetcher) table(id uint32) *backing.Table {
+// modelTable returns the model's table id, or nil.
+func (p *Prefetcher) modelTable(id uint32) *backing.Table {
 	if int(id) >= len(p.model.Tables) {
 		return nil
 	}
