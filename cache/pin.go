@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"strconv"
 	"sync"
@@ -53,9 +54,17 @@ type TableFile struct {
 //   - Without CAP_IPC_LOCK, mlock2(MLOCK_ONFAULT) charges the whole mapping
 //     to RLIMIT_MEMLOCK and fails with ENOMEM above it; the pinner then runs
 //     unpinned (one warning) and reports nothing pinned.
-//   - Populating a page that is not in the page cache faults it through our
-//     own FUSE Read handler when the file is on the mount (~36 µs). Call Pin
-//     only from a goroutine that no Read handler waits for.
+//   - Populating a page that is not in the page cache would fault it
+//     through our own FUSE Read handler, with this process's mmap lock held
+//     for the whole round trip. That deadlocked the daemon beside a
+//     benchmark: the Go runtime's heap mmap queued as a writer behind the
+//     populate, and the handler's O_DIRECT read pins its buffer (GUP), which
+//     takes the mmap lock as a reader and waited behind the writer. So the
+//     pinner first reads the run with pread(2) through the page cache (no
+//     mmap lock held; readThrough), and the populate then only maps cached
+//     pages. A page evicted between the two calls is still read under the
+//     lock: rare (it was cached a moment ago), not excluded. Call Pin only
+//     from a goroutine that no Read handler waits for.
 //   - VmLck counts the whole locked mapping; what is really pinned is
 //     "Locked" in /proc/self/smaps_rollup (lockedBytes).
 //   - A mapping of a file on the mount keeps the mount busy: Close before
@@ -78,6 +87,9 @@ type Pinner struct {
 
 	pagemapOnce sync.Once
 	pagemap     *os.File // /proc/self/pagemap; nil if it cannot be read
+
+	readers []*os.File // GUARDED_BY(mu); per table, nil until first used: readThrough's descriptor
+	readBuf sync.Pool  // *[]byte scratch for readThrough
 
 	count       atomic.Int64 // pages with their bit set in pinned
 	unavailable atomic.Bool
@@ -177,6 +189,10 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 	p.popRun = [3]uint64{uint64(table), first, first + n}
 	p.popOn.Store(true)
 	p.popMu.Unlock()
+	if err := p.readThrough(table, int64(first*PageSize), len(r)); err != nil {
+		p.popOn.Store(false)
+		return wrapRun("pin", table, first, n, err)
+	}
 	for try := 0; ; try++ {
 		// EINTR: a signal reached the populate; the pages done so far stay
 		// mapped and are skipped on the retry.
@@ -375,11 +391,65 @@ func (p *Pinner) Close() error {
 		}
 		p.maps[t], p.pinned[t] = nil, nil
 	}
+	for t, f := range p.readers {
+		if f != nil {
+			_ = f.Close()
+			p.readers[t] = nil
+		}
+	}
 	p.count.Store(0)
 	if p.pagemap != nil {
 		_ = p.pagemap.Close()
 	}
 	return errors.Join(errs...)
+}
+
+// readThroughChunk bounds one pread of readThrough (and its scratch buffer).
+const readThroughChunk = 256 << 10
+
+// readThrough reads n bytes of table from off with pread(2), so they are in
+// the page cache before the populate maps them (see the Pinner's doc: a
+// populate that has to read holds the mmap lock through our own FUSE
+// handler). The bytes read are thrown away. Call it between run and
+// p.inflight.Done.
+// LOCKS_EXCLUDED(p.mu)
+func (p *Pinner) readThrough(table uint32, off int64, n int) error {
+	p.mu.Lock()
+	if p.readers == nil {
+		p.readers = make([]*os.File, len(p.files))
+	}
+	f := p.readers[table]
+	p.mu.Unlock()
+	if f == nil {
+		// Open outside the lock: it goes through our own FUSE handlers when
+		// the file is on the mount.
+		nf, err := os.Open(p.files[table].Path)
+		if err != nil {
+			return fmt.Errorf("read through: %w", err)
+		}
+		p.mu.Lock()
+		if f = p.readers[table]; f == nil {
+			p.readers[table], f = nf, nf
+		} else {
+			_ = nf.Close()
+		}
+		p.mu.Unlock()
+	}
+	bp, _ := p.readBuf.Get().(*[]byte)
+	if bp == nil {
+		b := make([]byte, readThroughChunk)
+		bp = &b
+	}
+	defer p.readBuf.Put(bp)
+	for n > 0 {
+		c := min(n, readThroughChunk)
+		got, err := f.ReadAt((*bp)[:c], off)
+		if err != nil && !(errors.Is(err, io.EOF) && got == c) {
+			return fmt.Errorf("read through %s at %d (+%d): %w", p.files[table].Path, off, c, err)
+		}
+		off, n = off+int64(c), n-c
+	}
+	return nil
 }
 
 // run returns the bytes of pages [first, first+n) of table in the pinner's

@@ -165,23 +165,37 @@ func TestPinnerClipsAtEOF(t *testing.T) {
 	}
 }
 
-// TestPinnerFailedPinLeavesNothingLocked: a page that cannot be faulted in
-// (here: past the file's real end) fails the pin with context, leaves VmLck
-// where it was (the kernel had already marked the range locked), and does not
-// turn pinning off.
+// TestPinnerFailedPinLeavesNothingLocked: a page that cannot be read (here:
+// past the file's real end) fails the pin with context before anything is
+// populated; a populate that fails halfway (injected, after mapping the
+// run's first page) leaves VmLck where it was (the kernel had already marked
+// the range locked). Neither turns pinning off.
 func TestPinnerFailedPinLeavesNothingLocked(t *testing.T) {
 	f := coldFile(t, 2*PageSize)
 	f.Size = 4 * PageSize // the pinner believes the file is longer than it is
 	p := newTestPinner(t, f)
 	base := vmLck(t)
 	err := p.PinRun(0, 1, 2)
-	if err == nil || !strings.Contains(err.Error(), "pin table 0 pages 1-2: populate: ") {
+	if err == nil || !strings.Contains(err.Error(), "pin table 0 pages 1-2: read through ") {
 		t.Fatalf("pin past the real EOF: %v", err)
 	}
-	wantLocked(t, base, 0, "a failed pin")
+	wantLocked(t, base, 0, "a failed read")
+	populate := p.mlock
+	p.mlock = func(b []byte) error {
+		if err := populate(b[:PageSize]); err != nil {
+			return err
+		}
+		return unix.EIO
+	}
+	err = p.PinRun(0, 0, 2)
+	if err == nil || !strings.Contains(err.Error(), "pin table 0 pages 0-1: populate: ") {
+		t.Fatalf("a failing populate: %v", err)
+	}
+	wantLocked(t, base, 0, "a failed populate")
 	if !p.Available() {
 		t.Fatal("a failed page turned pinning off")
 	}
+	p.mlock = populate
 	if err := p.Pin(PageKey{Page: 0}); err != nil {
 		t.Fatal(err)
 	}

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"sync"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -87,18 +86,6 @@ func TestPushBeforeServeIsErrNotServing(t *testing.T) {
 	}
 }
 
-// faultLog is a FaultSink that remembers the pages it heard of.
-type faultLog struct {
-	mu   sync.Mutex
-	keys []cache.PageKey
-}
-
-func (f *faultLog) Faulted(keys []cache.PageKey) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.keys = append(f.keys, keys...)
-}
-
 // The two phases against a real mount: Serve returns with every table file
 // known to the kernel, so a push into a file no reader has opened lands
 // (NOTIFY_STORE answers ENOENT for an inode never looked up); faults reach
@@ -150,9 +137,7 @@ func TestServeLifecycle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	faults.mu.Lock()
-	heard := append([]cache.PageKey(nil), faults.keys...)
-	faults.mu.Unlock()
+	heard := faults.take()
 	found := false
 	for _, k := range heard {
 		found = found || k == want

@@ -214,7 +214,7 @@ func (s *Server) Serve(mountpoint string) error {
 	}
 	live := &liveMount{}
 	for id := range s.root.tables {
-		f, err := os.Open(tablePath(mountpoint, s.root.o.Model.Tables[id]))
+		f, err := os.Open(mountedPath(mountpoint, s.root.o.Model.Tables[id]))
 		if err != nil {
 			live.close()
 			return fail(fmt.Errorf("looking up the table files: %w", err))
@@ -323,10 +323,11 @@ func (s *Server) TablePath(id uint32) string {
 	if s.srv == nil {
 		return ""
 	}
-	return tablePath(s.mountpoint, s.root.o.Model.Tables[id])
+	return mountedPath(s.mountpoint, s.root.o.Model.Tables[id])
 }
 
-func tablePath(mountpoint string, t *backing.Table) string {
+// mountedPath is where t's file is under mountpoint.
+func mountedPath(mountpoint string, t *backing.Table) string {
 	return filepath.Join(mountpoint, t.Path())
 }
 

@@ -1,7 +1,8 @@
 // Package metrics serves the engramfs counters and service-time histograms
 // to Prometheus on --metrics-addr. The counters are not copied: a Collector
 // reads the atomics of stats.Counters at scrape time, so `.engramfs/stats`
-// and /metrics are one source of truth. Every metric name is in names.go.
+// and /metrics are one source of truth. The counters and gauges are named
+// and described by stats.Fields; the histograms' names are in names.go.
 package metrics
 
 import (
@@ -9,9 +10,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"reflect"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -23,80 +22,78 @@ import (
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
-// statsCollector exports stats.Counters at scrape time.
+// statsCollector exports stats.Counters at scrape time: every Counter and
+// Gauge of stats.Fields, under its Metric name with its Meaning as help.
 type statsCollector struct {
 	st     *stats.Counters
-	fields []statField // fields of stats.Snapshot that have a metric
-	layer  struct{ pushed, refaulted, dropped *prometheus.Desc }
+	fields []statField // of the Snapshot
+	layer  []statField // of each LayerSnapshot, labelled by layer
 }
 
 type statField struct {
-	index int // in stats.Snapshot
-	desc  *prometheus.Desc
-	kind  kind
+	f    stats.Field
+	desc *prometheus.Desc
+	typ  prometheus.ValueType
 }
 
 func fqName(name string) string { return prometheus.BuildFQName(namespace, "", name) }
 
-func newStatsCollector(st *stats.Counters) (*statsCollector, error) {
+func newStatsCollector(st *stats.Counters) *statsCollector {
 	c := &statsCollector{st: st}
-	typ := reflect.TypeFor[stats.Snapshot]()
-	for i := range typ.NumField() {
-		f := typ.Field(i)
-		json, _, _ := strings.Cut(f.Tag.Get("json"), ",")
-		if _, skip := notExported[json]; skip {
-			continue
+	for _, f := range stats.Fields {
+		if f.Metric == "" {
+			continue // Info: a setting or identity, not a measurement
 		}
-		m, ok := statMetrics[json]
-		if !ok {
-			return nil, fmt.Errorf("stats field %s (%q) has no metric in names.go", f.Name, json)
+		typ := prometheus.CounterValue
+		if f.Kind == stats.Gauge {
+			typ = prometheus.GaugeValue
 		}
-		c.fields = append(c.fields, statField{index: i, kind: m.kind, desc: prometheus.NewDesc(fqName(m.name), m.help, nil, nil)})
+		if f.PerLayer() {
+			c.layer = append(c.layer, statField{f, prometheus.NewDesc(fqName(f.Metric), f.Meaning, []string{labelLayer}, nil), typ})
+		} else {
+			c.fields = append(c.fields, statField{f, prometheus.NewDesc(fqName(f.Metric), f.Meaning, nil, nil), typ})
+		}
 	}
-	desc := func(m statMetric) *prometheus.Desc {
-		return prometheus.NewDesc(fqName(m.name), m.help, []string{labelLayer}, nil)
-	}
-	c.layer.pushed, c.layer.refaulted, c.layer.dropped = desc(layerMetrics.pushed), desc(layerMetrics.refaulted), desc(layerMetrics.dropped)
-	return c, nil
+	return c
 }
 
 func (c *statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, f := range c.fields {
 		ch <- f.desc
 	}
-	ch <- c.layer.pushed
-	ch <- c.layer.refaulted
-	ch <- c.layer.dropped
+	for _, f := range c.layer {
+		ch <- f.desc
+	}
 }
 
 func (c *statsCollector) Collect(ch chan<- prometheus.Metric) {
 	snap := c.st.Snapshot()
-	v := reflect.ValueOf(snap)
 	for _, f := range c.fields {
-		val := v.Field(f.index)
-		var x float64
-		switch val.Kind() {
-		case reflect.Uint64, reflect.Uint32, reflect.Uint:
-			x = float64(val.Uint())
-		case reflect.Int64, reflect.Int32, reflect.Int:
-			x = float64(val.Int())
-		case reflect.Bool:
-			if val.Bool() {
-				x = 1
-			}
-		}
-		typ := prometheus.CounterValue
-		if f.kind == gauge {
-			typ = prometheus.GaugeValue
-		}
-		ch <- prometheus.MustNewConstMetric(f.desc, typ, x)
+		ch <- prometheus.MustNewConstMetric(f.desc, f.typ, number(snap.Value(f.f, 0)))
 	}
-	for layer, ls := range snap.Layers {
+	for layer := range snap.Layers {
 		l := strconv.Itoa(layer)
-		ch <- prometheus.MustNewConstMetric(c.layer.pushed, prometheus.CounterValue, float64(ls.Pushed), l)
-		ch <- prometheus.MustNewConstMetric(c.layer.refaulted, prometheus.CounterValue, float64(ls.Refaulted), l)
-		ch <- prometheus.MustNewConstMetric(c.layer.dropped, prometheus.CounterValue, float64(ls.Dropped), l)
+		for _, f := range c.layer {
+			ch <- prometheus.MustNewConstMetric(f.desc, f.typ, number(snap.Value(f.f, layer)), l)
+		}
 	}
+}
+
+// number is a stats value as a sample: booleans are 0 and 1.
+func number(v any) float64 {
+	switch x := v.(type) {
+	case uint64:
+		return float64(x)
+	case int64:
+		return float64(x)
+	case int:
+		return float64(x)
+	case bool:
+		if x {
+			return 1
+		}
+	}
+	return 0
 }
 
 // Timings implements stats.Timings with histograms. Every observer is
@@ -177,12 +174,8 @@ func (t *Timings) BarrierWaited(layer int, d time.Duration) {
 // Registry gathers everything /metrics serves: the counters of st, the
 // histograms of t, and the Go runtime and process collectors.
 func Registry(st *stats.Counters, t *Timings) (*prometheus.Registry, error) {
-	sc, err := newStatsCollector(st)
-	if err != nil {
-		return nil, err
-	}
 	reg := prometheus.NewRegistry()
-	cs := append([]prometheus.Collector{sc,
+	cs := append([]prometheus.Collector{newStatsCollector(st),
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 	}, t.collectors...)

@@ -15,19 +15,49 @@ import (
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
-func TestEveryStatHasAMetric(t *testing.T) {
-	typ := reflect.TypeFor[stats.Snapshot]()
-	for i := range typ.NumField() {
-		name, _, _ := strings.Cut(typ.Field(i).Tag.Get("json"), ",")
-		_, exported := statMetrics[name]
-		_, skipped := notExported[name]
-		if exported == skipped {
-			t.Errorf("stats field %q: want exactly one of a metric in statMetrics or a reason in notExported", name)
+// TestEveryFieldIsExported: every Counter and Gauge of stats.Fields is on
+// /metrics, with its type and its Meaning as help.
+func TestEveryFieldIsExported(t *testing.T) {
+	st := &stats.Counters{}
+	st.SetLayers([]int{0})
+	mfs := gather(t, st, NewTimings(testModel(t)))
+	for _, f := range stats.Fields {
+		if f.Metric == "" {
+			continue
+		}
+		mf, ok := mfs[fqName(f.Metric)]
+		want := dto.MetricType_COUNTER
+		if f.Kind == stats.Gauge {
+			want = dto.MetricType_GAUGE
+		}
+		if !ok || mf.GetType() != want || mf.GetHelp() != f.Meaning {
+			t.Errorf("%s: want %s on /metrics as a %v with its Meaning as help, got %v", f.Name, fqName(f.Metric), want, mf)
 		}
 	}
-	for _, m := range statMetrics {
-		if (m.kind == counter) != strings.HasSuffix(m.name, "_total") {
-			t.Errorf("%s: counters, and only counters, end in _total", m.name)
+}
+
+// TestMetricNamesAreStable: dashboards query these names; a field may add
+// a metric, never rename one.
+func TestMetricNamesAreStable(t *testing.T) {
+	st := &stats.Counters{}
+	st.SetLayers([]int{0})
+	mfs := gather(t, st, NewTimings(testModel(t)))
+	for _, name := range []string{
+		"fuse_reads_total", "fuse_read_bytes_total",
+		"backing_reads_total", "backing_bytes_total", "backing_errors_total", "backing_fail_fast_total",
+		"s3_gets_total", "s3_get_bytes_total", "s3_retries_total", "s3_hedges_total", "s3_etag_failures_total",
+		"mirror_hits_total", "mirror_bytes_read_total", "mirror_bytes_written_total", "mirror_evictions_total",
+		"cache_capacity_bytes", "cache_used_bytes", "cache_hits_total", "cache_misses_total", "cache_evictions_total",
+		"cache_pinned", "cache_pin_dropped_total",
+		"hint_frames_total", "hint_rows_total", "hint_rejected_total", "hint_refused_total",
+		"prefetch_pages_queued_total", "prefetch_pages_stored_total", "prefetch_pages_dropped_total",
+		"prefetch_store_errors_total", "prefetch_late_total", "prefetch_pages_failed_total",
+		"warm_pages", "warm_pages_done", "goroutines",
+		"hint_pages_pushed_total", "hint_pages_refaulted_total", "hint_pages_dropped_total",
+		"fault_seconds", "backing_read_seconds", "barrier_wait_seconds",
+	} {
+		if _, ok := mfs[fqName(name)]; !ok {
+			t.Errorf("/metrics lost %s", fqName(name))
 		}
 	}
 }

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/internal/sdnotify"
+	"github.com/engramfs/engramfs/internal/stats"
 )
 
 // Names under which mount(8) and umount(8) run the binary: for a filesystem
@@ -397,7 +398,7 @@ warm state and exit. umount(8) runs it for mounts recorded in
 	// The daemon's pid, to wait for it: the mount is gone before the
 	// daemon has saved its warm state and let go of the shards.
 	pid := 0
-	if s, err := readStats(target); err == nil {
+	if s, err := stats.ReadFile(target); err == nil {
 		pid = s.Pid
 	}
 	flags := 0

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -17,7 +16,6 @@ import (
 
 	units "github.com/docker/go-units"
 
-	"github.com/engramfs/engramfs/fs"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -80,8 +78,10 @@ func parseInterval(s string) (time.Duration, error) {
 func runStats(args []string) error {
 	fl := newFlagSet("stats", "[--json] [--watch [INTERVAL]] [--count N] MOUNT", `
 Shows the counters of the engramfs mount at MOUNT (its .engramfs/stats) as a
-table: page faults, backing reads, the hot tier, hints and prefetch, the warm
-restart, and hint accuracy per layer. --json prints the stats file as it is.
+table: page faults, backing reads (and the object store's, for one), the hot
+tier, hints and prefetch, the warm restart, and hint accuracy per layer; each
+field with a few words on what it counts (the full meanings: the stats table
+of docs/operations.md). --json prints the stats file as it is.
 --watch refreshes the table in place every INTERVAL (default 1s; 500ms, 2s or
 a number of seconds) and adds rates over the last interval: faults/s, hot-tier
 hit ratio, backing MB/s, prefetched pages/s and hinted rows/s, late
@@ -115,15 +115,18 @@ prefetches/s. Ctrl-C stops it.`)
 	}
 	mount := pos[0]
 	if *asJSON {
-		b, err := readStatsFile(mount)
+		// The daemon's own bytes: fields that this binary does not know
+		// (a newer daemon) or that the daemon lacks (an older one) stay
+		// as they are, not decoded and re-encoded.
+		b, err := os.ReadFile(filepath.Join(mount, stats.RelPath))
 		if err != nil {
-			return err
+			return fmt.Errorf("%s: not an engramfs mount? %w", mount, err)
 		}
 		_, err = os.Stdout.Write(b)
 		return err
 	}
 	if !watch.on {
-		s, err := readStats(mount)
+		s, err := stats.ReadFile(mount)
 		if err != nil {
 			return err
 		}
@@ -131,26 +134,6 @@ prefetches/s. Ctrl-C stops it.`)
 		return nil
 	}
 	return watchStats(os.Stdout, mount, watch.interval, *count, isTerminal(os.Stdout))
-}
-
-func readStatsFile(mount string) ([]byte, error) {
-	b, err := os.ReadFile(filepath.Join(mount, fs.ControlDir, fs.StatsFile))
-	if err != nil {
-		return nil, fmt.Errorf("%s: not an engramfs mount? %w", mount, err)
-	}
-	return b, nil
-}
-
-func readStats(mount string) (stats.Snapshot, error) {
-	var s stats.Snapshot
-	b, err := readStatsFile(mount)
-	if err != nil {
-		return s, err
-	}
-	if err := json.Unmarshal(b, &s); err != nil {
-		return s, fmt.Errorf("%s: stats are not JSON: %w", mount, err)
-	}
-	return s, nil
 }
 
 // watchStats redraws the table every interval: in place on a terminal (ANSI
@@ -171,7 +154,7 @@ func watchStats(w io.Writer, mount string, interval time.Duration, count int, tt
 			case <-tick.C:
 			}
 		}
-		s, err := readStats(mount)
+		s, err := stats.ReadFile(mount)
 		if err != nil {
 			return err
 		}
@@ -242,55 +225,57 @@ func renderStats(w io.Writer, mount string, s stats.Snapshot, prev *stats.Snapsh
 			dt.Seconds(), r.faults, hit, r.backingMBps, r.pagesPushed, r.rowsHinted, r.late)
 	}
 	// One tabwriter for every section, so the columns line up across them;
-	// trailing padding is trimmed.
+	// trailing padding is trimmed. The rows and their labels are
+	// stats.Fields, in its order.
 	var buf bytes.Buffer
 	tw := tabwriter.NewWriter(&buf, 0, 0, 2, ' ', 0)
-	section := func(title string) { fmt.Fprintf(tw, "\t\t\n%s\t\t\n", title) }
-	row := func(name string, value any, meaning string) {
-		fmt.Fprintf(tw, "  %s\t%v\t%s\n", name, value, meaning)
+	group, show := "", false
+	var layerFields []stats.Field
+	for _, f := range stats.Fields {
+		if f.PerLayer() {
+			layerFields = append(layerFields, f)
+			continue
+		}
+		if f.Group != group {
+			group, show = f.Group, showGroup(s, f.Group)
+			if show {
+				fmt.Fprintf(tw, "\t\t\n%s\t\t\n", group)
+			}
+		}
+		if !show {
+			continue
+		}
+		value, label := statValue(s, f), f.Label
+		if f.Name == "cache_misses" {
+			label += " (hit ratio " + percent(s.CacheHits, s.CacheHits+s.CacheMisses) + ")"
+		}
+		fmt.Fprintf(tw, "  %s\t%v\t%s\n", f.Name, value, label)
 	}
-	section("Page faults")
-	row("fuse_reads", s.FuseReads, "READs of table files that reached FUSE (faults, read(2) misses)")
-	row("fuse_read_bytes", bytesStr(s.FuseReadBytes), "bytes those READs returned")
-	section("Backing store")
-	row("backing_reads", s.BackingReads, "shard reads (one per coalesced run)")
-	row("backing_bytes", bytesStr(s.BackingBytes), "bytes read from shards (O_DIRECT alignment included)")
-	row("backing_errors", s.BackingErrors, "shard reads that failed")
-	section("Hot tier")
-	row("cache_capacity_bytes", bytesStr(uint64(max(s.CacheCapacityBytes, 0))), "budget of pinned pages")
-	row("cache_used_bytes", fmt.Sprintf("%s (%s)", bytesStr(uint64(max(s.CacheUsedBytes, 0))),
-		percent(uint64(max(s.CacheUsedBytes, 0)), uint64(max(s.CacheCapacityBytes, 0)))), "pinned now")
-	row("cache_hits", s.CacheHits, "hinted or faulted pages found in the tier")
-	row("cache_misses", s.CacheMisses, fmt.Sprintf("... not found (hit ratio %s)", percent(s.CacheHits, s.CacheHits+s.CacheMisses)))
-	row("cache_evictions", s.CacheEvictions, "pages unpinned to stay within budget")
-	row("cache_pinned", s.CachePinned, "false: mlock unavailable, the tier runs unpinned")
-	section("Hints")
-	row("hint_frames", s.HintFrames, "frames accepted")
-	row("hint_rows", s.HintRows, "rows named by them")
-	row("hint_rejected", s.HintRejected, "frames refused (EINVAL)")
-	section("Prefetch")
-	row("prefetch_pages_queued", s.PrefetchPagesQueued, "pages queued by hints and warm restart")
-	row("prefetch_pages_stored", s.PrefetchPagesStored, "pages pushed into the page cache")
-	row("prefetch_pages_dropped", s.PrefetchPagesDropped, "prefill pages dropped from a full queue")
-	row("prefetch_store_errors", s.PrefetchStoreErrors, "pushes that failed (ENOENT: file not opened yet)")
-	row("prefetch_late", s.PrefetchLate, "faults on a page still queued or in flight")
-	section("Warm restart")
-	row("warm_pages_done", fmt.Sprintf("%d of %d", s.WarmPagesDone, s.WarmPagesTotal), "saved hot pages fetched again (warm_pages_total)")
-	row("goroutines", s.Goroutines, "daemon goroutines")
 	tw.Flush()
 
 	if len(s.Layers) > 0 {
-		fmt.Fprintln(&buf, "\nHint accuracy by layer (layers.<L>): pages pushed, pages FUSE read anyway (refaulted), prefill pages dropped")
+		head, cols := "", "  layer\t"
+		for i, f := range layerFields {
+			if i > 0 {
+				head += ", "
+			}
+			head += f.Label + " (" + f.JSONKey() + ")"
+			cols += f.JSONKey() + "\t"
+		}
+		fmt.Fprintf(&buf, "\n%s (%s): %s\n", stats.GroupLayers, strings.TrimSuffix(stats.LayerPrefix, "."), head)
 		tw = tabwriter.NewWriter(&buf, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(tw, "  layer\tpushed\trefaulted\tdropped\t")
+		fmt.Fprintln(tw, cols)
 		layers := make([]int, 0, len(s.Layers))
 		for l := range s.Layers {
 			layers = append(layers, l)
 		}
 		slices.Sort(layers)
 		for _, l := range layers {
-			ls := s.Layers[l]
-			fmt.Fprintf(tw, "  %d\t%d\t%d\t%d\t\n", l, ls.Pushed, ls.Refaulted, ls.Dropped)
+			fmt.Fprintf(tw, "  %d\t", l)
+			for _, f := range layerFields {
+				fmt.Fprintf(tw, "%v\t", s.Value(f, l))
+			}
+			fmt.Fprintln(tw)
 		}
 		tw.Flush()
 	}
@@ -300,4 +285,41 @@ func renderStats(w io.Writer, mount string, s stats.Snapshot, prev *stats.Snapsh
 			io.WriteString(w, "\n")
 		}
 	}
+}
+
+// showGroup hides the object store's sections on a mount of a directory,
+// where they are all zero.
+func showGroup(s stats.Snapshot, group string) bool {
+	if group != stats.GroupS3 && group != stats.GroupMirror || s.ReadEngine == "s3" {
+		return true
+	}
+	for _, f := range stats.Fields {
+		if f.Group == group && s.Value(f, 0) != uint64(0) {
+			return true
+		}
+	}
+	return false
+}
+
+// statValue is field f of s for the table: sizes in bytes read as sizes,
+// the used part of the hot tier with its share of the budget.
+func statValue(s stats.Snapshot, f stats.Field) any {
+	v := s.Value(f, 0)
+	if f.Unit == "bytes" {
+		n := uint64(0)
+		switch x := v.(type) {
+		case uint64:
+			n = x
+		case int64:
+			n = uint64(max(x, 0))
+		}
+		if f.Name == "cache_used_bytes" {
+			return fmt.Sprintf("%s (%s)", bytesStr(n), percent(n, uint64(max(s.CacheCapacityBytes, 0))))
+		}
+		return bytesStr(n)
+	}
+	if v == "" {
+		return "-"
+	}
+	return v
 }

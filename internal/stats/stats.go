@@ -14,59 +14,56 @@ import (
 )
 
 // Counters is shared by every package of one mount. The zero value is ready.
+// What each counter means, its kind and unit are in Fields (fields.go), the
+// one description of every stat; here they are grouped by the part of the
+// daemon they measure.
 type Counters struct {
 	// Fault path (fs).
-	FuseReads     atomic.Uint64 // READ requests on table files that reached FUSE
-	FuseReadBytes atomic.Uint64 // bytes returned by those requests
+	FuseReads     atomic.Uint64
+	FuseReadBytes atomic.Uint64
 
-	// Backing store (backing).
-	BackingReads  atomic.Uint64 // pread calls on shard files (one per coalesced run)
-	BackingBytes  atomic.Uint64 // bytes asked of the shard files (the aligned superset under O_DIRECT)
-	BackingErrors atomic.Uint64 // runs that failed (I/O error, short read, shard changed)
-	// BackingFailFast counts pages failed again at once because their read
-	// failed less than a second ago (the loader's negative cache).
+	// Backing store (backing; the loader's negative cache).
+	BackingReads    atomic.Uint64
+	BackingBytes    atomic.Uint64
+	BackingErrors   atomic.Uint64
 	BackingFailFast atomic.Uint64
-	// Object store source (backing/s3source). S3Gets counts every GET sent
-	// (retries and hedges included), S3GetBytes the body bytes received.
-	S3Gets         atomic.Uint64
-	S3GetBytes     atomic.Uint64
-	S3Retries      atomic.Uint64 // GETs sent again after a 5xx, reset or truncated body
-	S3Hedges       atomic.Uint64 // second GETs sent because the first had no first byte after the p95
-	S3ETagFailures atomic.Uint64 // GETs refused with 412: the object changed under the mount
-	// Local SSD mirror of the object store (s3source, --s3-mirror).
-	MirrorHits         atomic.Uint64 // reads served from the mirror, without a GET
+	// Object store source and its local SSD mirror (backing/s3source).
+	S3Gets             atomic.Uint64
+	S3GetBytes         atomic.Uint64
+	S3Retries          atomic.Uint64
+	S3Hedges           atomic.Uint64
+	S3ETagFailures     atomic.Uint64
+	MirrorHits         atomic.Uint64
 	MirrorBytesRead    atomic.Uint64
-	MirrorBytesWritten atomic.Uint64 // bytes written to the mirror and made durable
-	MirrorEvictions    atomic.Uint64 // 2 MiB extents punched out to keep the budget
-	// ReadEngine is how backing reads are issued: io_uring or pread. Set
-	// once, before the counters are shared.
+	MirrorBytesWritten atomic.Uint64
+	MirrorEvictions    atomic.Uint64
+	// ReadEngine is set once, before the counters are shared.
 	ReadEngine string
 
 	// Hot tier (cache).
-	CacheCapacityBytes atomic.Int64  // --cache-size
-	CacheUsedBytes     atomic.Int64  // bytes pinned right now
-	CacheHits          atomic.Uint64 // hinted or faulted pages found pinned
-	CacheMisses        atomic.Uint64 // hinted or faulted pages not pinned
-	CacheEvictions     atomic.Uint64 // pages unpinned to stay within the budget
-	CachePinned        atomic.Bool   // false when mlock is unavailable (tier runs unpinned)
-	CachePinDropped    atomic.Uint64 // pages admitted but not pinned because the pin queue was full
+	CacheCapacityBytes atomic.Int64
+	CacheUsedBytes     atomic.Int64
+	CacheHits          atomic.Uint64
+	CacheMisses        atomic.Uint64
+	CacheEvictions     atomic.Uint64
+	CachePinned        atomic.Bool
+	CachePinDropped    atomic.Uint64
 
-	// Hints (hints, fs).
-	HintFrames   atomic.Uint64 // frames accepted
-	HintRows     atomic.Uint64 // rows named by accepted frames
-	HintRejected atomic.Uint64 // frames refused with EINVAL
-	HintRefused  atomic.Uint64 // writes refused with EAGAIN: the handle's decode backlog was full
+	// Hints (fs).
+	HintFrames   atomic.Uint64
+	HintRows     atomic.Uint64
+	HintRejected atomic.Uint64
+	HintRefused  atomic.Uint64
 
 	// Prefetch (prefetch).
-	PrefetchPagesQueued  atomic.Uint64 // pages put on a queue
-	PrefetchPagesStored  atomic.Uint64 // pages pushed into the page cache (NOTIFY_STORE)
-	PrefetchPagesDropped atomic.Uint64 // prefill pages dropped because the queue was full
-	PrefetchStoreErrors  atomic.Uint64 // stores that failed (ENOENT included: inode not yet looked up)
-	PrefetchLate         atomic.Uint64 // FUSE reads of a page whose prefetch was queued or in flight
-	PrefetchPagesFailed  atomic.Uint64 // hinted pages that settled as failed (read or store failed)
+	PrefetchPagesQueued  atomic.Uint64
+	PrefetchPagesStored  atomic.Uint64
+	PrefetchPagesDropped atomic.Uint64
+	PrefetchStoreErrors  atomic.Uint64
+	PrefetchLate         atomic.Uint64
+	PrefetchPagesFailed  atomic.Uint64
 
-	// Warm restart (warm): pages of the saved hot set to fetch
-	// again, and how many of them are settled (resident, failed or dropped).
+	// Warm restart (warm).
 	WarmPagesTotal atomic.Uint64
 	WarmPagesDone  atomic.Uint64
 
@@ -80,11 +77,12 @@ type Counters struct {
 	Timings Timings
 }
 
-// LayerCounters is how well the hints of one layer worked.
+// LayerCounters is how well the hints of one layer worked (Fields says
+// what each means).
 type LayerCounters struct {
-	Pushed    atomic.Uint64 // hinted pages pushed into the page cache
-	Refaulted atomic.Uint64 // hinted pages that a FUSE read asked for anyway (evicted since the push, or the push was late)
-	Dropped   atomic.Uint64 // hinted prefill pages dropped from a full queue
+	Pushed    atomic.Uint64
+	Refaulted atomic.Uint64
+	Dropped   atomic.Uint64
 }
 
 // SetLayers creates the per-layer counters. Call it once, before the
@@ -104,11 +102,12 @@ func (c *Counters) Layer(layer int) *LayerCounters { return c.layers[layer] }
 type Timings interface {
 	// FaultServed: a READ of a table file, from the request to the reply.
 	FaultServed(table uint32, d time.Duration)
-	// BackingRead: one pread of a shard (a coalesced run), queue slot held.
+	// BackingRead: one backing read of a coalesced run, from its submission
+	// to its answer.
 	BackingRead(table uint32, d time.Duration)
-	// BarrierWaited: an fsync of the control file. layer is the one layer
-	// its frames named since the previous fsync, BarrierSeveralLayers, or
-	// BarrierNoLayer.
+	// BarrierWaited: a barrier on a control file handle (read(2) or
+	// fsync). layer is the one layer its frames named since the previous
+	// barrier, BarrierSeveralLayers, or BarrierNoLayer.
 	BarrierWaited(layer int, d time.Duration)
 }
 
@@ -119,6 +118,7 @@ const (
 )
 
 // Snapshot is the JSON form of Counters, as served by `.engramfs/stats`.
+// Every field is described in Fields (TestFieldsMatchSnapshot).
 type Snapshot struct {
 	FuseReads     uint64 `json:"fuse_reads"`
 	FuseReadBytes uint64 `json:"fuse_read_bytes"`
@@ -146,11 +146,8 @@ type Snapshot struct {
 	CacheMisses        uint64 `json:"cache_misses"`
 	CacheEvictions     uint64 `json:"cache_evictions"`
 	CachePinned        bool   `json:"cache_pinned"`
-	// CacheMode is "pinned" when the hot tier locks its pages, "unpinned"
-	// when it may not (no CAP_IPC_LOCK and RLIMIT_MEMLOCK below the table
-	// files' size): then no page is reported pinned.
-	CacheMode       string `json:"cache_mode"`
-	CachePinDropped uint64 `json:"cache_pin_dropped"`
+	CacheMode          string `json:"cache_mode"`
+	CachePinDropped    uint64 `json:"cache_pin_dropped"`
 
 	HintFrames   uint64 `json:"hint_frames"`
 	HintRows     uint64 `json:"hint_rows"`
@@ -171,11 +168,8 @@ type Snapshot struct {
 	// (a string in JSON).
 	Layers map[int]LayerSnapshot `json:"layers,omitempty"`
 
-	// Goroutines is the daemon's goroutine count when the snapshot was
-	// taken: a leak shows up as a count that does not come back down.
 	Goroutines int `json:"goroutines"`
-	// Pid is the daemon's process id (umount.fuse.engramfs waits for it).
-	Pid int `json:"pid"`
+	Pid        int `json:"pid"`
 }
 
 // Snapshot reads every counter once. Counters are read one by one, so a

@@ -1,0 +1,257 @@
+package stats
+
+import (
+	"reflect"
+	"strings"
+)
+
+//go:generate go run ./statsdoc ../../docs/operations.md
+
+// Kind is how a stat behaves over the life of a mount.
+type Kind uint8
+
+const (
+	// Counter starts at 0 at mount and only grows.
+	Counter Kind = iota
+	// Gauge is a level: it may go down (booleans are gauges of 0 and 1).
+	Gauge
+	// Info is a setting or an identity, not a measurement: it has no metric.
+	Info
+)
+
+func (k Kind) String() string {
+	switch k {
+	case Counter:
+		return "counter"
+	case Gauge:
+		return "gauge"
+	}
+	return "info"
+}
+
+// Field describes one field of Snapshot, or of LayerSnapshot.
+type Field struct {
+	// Name is the JSON name in `.engramfs/stats`; a field of LayerSnapshot
+	// is "layers.<L>.NAME".
+	Name string
+	Kind Kind
+	// Unit is what one step of the value is: "pages", "bytes", ...; ""
+	// for Info fields.
+	Unit string
+	// Group is the section of `engramfs stats` the field is shown in.
+	Group string
+	// Label is a few words for the `engramfs stats` table: Meaning, cut short.
+	Label string
+	// Meaning is one sentence, true to the code that writes the field.
+	Meaning string
+	// Metric is the Prometheus name without the "engramfs_" namespace;
+	// every Counter and Gauge has one, no Info field does. A per-layer
+	// field's metric has a "layer" label.
+	Metric string
+}
+
+// LayerPrefix starts the Name of every field of LayerSnapshot.
+const LayerPrefix = "layers.<L>."
+
+// PerLayer reports whether f is a field of LayerSnapshot.
+func (f Field) PerLayer() bool { return strings.HasPrefix(f.Name, LayerPrefix) }
+
+// JSONKey is f's key in its JSON object (Name without LayerPrefix).
+func (f Field) JSONKey() string { return strings.TrimPrefix(f.Name, LayerPrefix) }
+
+// Groups of Fields, in the order `engramfs stats` shows them.
+const (
+	GroupFaults  = "Page faults"
+	GroupBacking = "Backing store"
+	GroupS3      = "Object store"
+	GroupMirror  = "Object store mirror"
+	GroupHot     = "Hot tier"
+	GroupHints   = "Hints"
+	GroupPrefill = "Prefetch"
+	GroupWarm    = "Warm restart"
+	GroupDaemon  = "Daemon"
+	GroupLayers  = "Hint accuracy by layer"
+)
+
+// Fields describes every stat: the one place that says what each means.
+// The `engramfs stats` table, the Prometheus metrics (metrics/) and the
+// table in docs/operations.md (go generate) are made from it;
+// TestFieldsMatchSnapshot keeps it in step with Snapshot.
+var Fields = []Field{
+	{"fuse_reads", Counter, "requests", GroupFaults, "READs of table files that reached FUSE",
+		"READ requests on table files that reached the daemon: demand faults and read(2) misses, header reads, and the hot tier's own populate of a cold page it pins.",
+		"fuse_reads_total"},
+	{"fuse_read_bytes", Counter, "bytes", GroupFaults, "bytes those READs asked for",
+		"Bytes those READs asked for, cut at the end of the file (counted before the READ is served, so failed READs count too).",
+		"fuse_read_bytes_total"},
+
+	{"backing_reads", Counter, "reads", GroupBacking, "backing reads (one per coalesced run)",
+		"Reads issued to the backing source, one per coalesced run of adjacent pages: a pread or io_uring read of a shard file, or one object store span (its GET, retries and hedges); mirror hits are not counted.",
+		"backing_reads_total"},
+	{"backing_bytes", Counter, "bytes", GroupBacking, "bytes asked of the backing source",
+		"Bytes those reads asked for: the aligned superset under O_DIRECT, a span's whole range (merged gaps included) from an object store.",
+		"backing_bytes_total"},
+	{"backing_errors", Counter, "reads", GroupBacking, "backing reads that failed",
+		"Reads of a run that failed: I/O error, short read, shard changed or gone, source closed, or a fault injected by --inject-faults.",
+		"backing_errors_total"},
+	{"backing_fail_fast", Counter, "pages", GroupBacking, "pages failed at once (read failed < 1 s ago)",
+		"Pages failed at once, without a read, because their backing read failed less than a second ago (the loader's negative cache).",
+		"backing_fail_fast_total"},
+	{"read_engine", Info, "", GroupBacking, "how backing reads are issued",
+		"How backing reads are issued: io_uring or pread for shard files, s3 for an object store (absent when unset).",
+		""},
+
+	{"s3_gets", Counter, "GETs", GroupS3, "GETs sent (retries, hedges included)",
+		"GETs sent to the object store, retries and hedges included.",
+		"s3_gets_total"},
+	{"s3_get_bytes", Counter, "bytes", GroupS3, "body bytes received",
+		"Body bytes received from the object store, those of cut-short and losing hedged GETs included.",
+		"s3_get_bytes_total"},
+	{"s3_retries", Counter, "GETs", GroupS3, "GETs sent again after a transient failure",
+		"GETs sent again after a retryable failure: 5xx, 429, connection reset, truncated body, a 200 to a range request, or an attempt timeout.",
+		"s3_retries_total"},
+	{"s3_hedges", Counter, "GETs", GroupS3, "second GETs for slow demand reads",
+		"Second GETs sent because a demand read's first GET had no answer after the adaptive p95 latency (prefetch GETs are never hedged).",
+		"s3_hedges_total"},
+	{"s3_etag_failures", Counter, "reads", GroupS3, "reads refused with 412 (object rewritten)",
+		"Object store reads that failed with 412 Precondition Failed: the object was rewritten under the mount.",
+		"s3_etag_failures_total"},
+
+	{"mirror_hits", Counter, "reads", GroupMirror, "reads served from the mirror, no GET",
+		"Object store reads served from the local SSD mirror (--s3-mirror) by a pread, without a GET.",
+		"mirror_hits_total"},
+	{"mirror_bytes_read", Counter, "bytes", GroupMirror, "bytes read from the mirror",
+		"Bytes those mirror reads returned.",
+		"mirror_bytes_read_total"},
+	{"mirror_bytes_written", Counter, "bytes", GroupMirror, "bytes written to the mirror, durably",
+		"Bytes written to the mirror, made durable (fdatasync) and marked as mirrored.",
+		"mirror_bytes_written_total"},
+	{"mirror_evictions", Counter, "extents", GroupMirror, "2 MiB extents punched out for the budget",
+		"2 MiB extents evicted from the mirror (pages unmarked, then bytes punched out) to keep it within its budget (--s3-mirror-size).",
+		"mirror_evictions_total"},
+
+	{"cache_capacity_bytes", Gauge, "bytes", GroupHot, "budget of pinned pages",
+		"Budget of the hot tier: --cache-size rounded down to whole 4 KiB pages (0: no tier).",
+		"cache_capacity_bytes"},
+	{"cache_used_bytes", Gauge, "bytes", GroupHot, "pinned now",
+		"Bytes of table pages the hot tier holds locked in the page cache now.",
+		"cache_used_bytes"},
+	{"cache_hits", Counter, "pages", GroupHot, "faulted or hinted pages found in the tier",
+		"Faulted or hinted pages (warm restart included) that the hot tier's policy already held (pinned, or admitted and not yet pinned).",
+		"cache_hits_total"},
+	{"cache_misses", Counter, "pages", GroupHot, "... not found in the tier",
+		"Faulted or hinted pages (warm restart included) that the hot tier's policy did not hold; hits/(hits+misses) is the hit ratio.",
+		"cache_misses_total"},
+	{"cache_evictions", Counter, "pages", GroupHot, "pages unpinned to stay within budget",
+		"Pages that left the hot tier to keep it within its budget and were unpinned (with the tier unpinned: that its policy evicted).",
+		"cache_evictions_total"},
+	{"cache_pinned", Gauge, "bool", GroupHot, "false: the tier runs unpinned",
+		"True while the hot tier locks its pages; false when locking is unavailable (no CAP_IPC_LOCK and RLIMIT_MEMLOCK below the table files' size, or refused later) or the tier is off.",
+		"cache_pinned"},
+	{"cache_mode", Info, "", GroupHot, "cache_pinned in words",
+		"cache_pinned in words: pinned or unpinned.",
+		""},
+	{"cache_pin_dropped", Counter, "pages", GroupHot, "admitted but not pinned: pin queue full",
+		"Pages admitted to the hot tier but removed from it unpinned because the pin queue (twice the tier's pages, at least 128Ki) was full.",
+		"cache_pin_dropped_total"},
+
+	{"hint_frames", Counter, "frames", GroupHints, "frames accepted",
+		"Hint frames decoded whole from the control file and handed to the prefetcher.",
+		"hint_frames_total"},
+	{"hint_rows", Counter, "rows", GroupHints, "rows named by them",
+		"Rows named by hint frames, counted as they are decoded (the rows of a bad frame before its first bad field included).",
+		"hint_rows_total"},
+	{"hint_rejected", Counter, "writes", GroupHints, "writes refused: bad frame (EINVAL)",
+		"Control file writes failed with EINVAL because they delivered a bad frame field (the handle's stream is reset).",
+		"hint_rejected_total"},
+	{"hint_refused", Counter, "writes", GroupHints, "writes refused: decode backlog full (EAGAIN)",
+		"Control file writes refused with EAGAIN, before decoding, because the handle's queued decode work was at its limit.",
+		"hint_refused_total"},
+
+	{"prefetch_pages_queued", Counter, "pages", GroupPrefill, "pages queued by hints and warm restart",
+		"Pages put on a prefetch queue by hints and the warm restart (a page already pinned, queued or being fetched is not queued again, unless a decode hint moves a queued prefill page up).",
+		"prefetch_pages_queued_total"},
+	{"prefetch_pages_stored", Counter, "pages", GroupPrefill, "pages pushed into the page cache",
+		"Prefetched pages pushed into the page cache (NOTIFY_STORE).",
+		"prefetch_pages_stored_total"},
+	{"prefetch_pages_dropped", Counter, "pages", GroupPrefill, "prefill pages dropped from a full queue",
+		"Prefill pages dropped unfetched, oldest first, because the prefill queue (--prefetch-queue) was full.",
+		"prefetch_pages_dropped_total"},
+	{"prefetch_store_errors", Counter, "pages", GroupPrefill, "pages whose push failed (ENOENT: not looked up)",
+		"Prefetched pages whose push into the page cache failed, ENOENT included (the kernel had not looked the file up); they are read on first touch instead.",
+		"prefetch_store_errors_total"},
+	{"prefetch_late", Counter, "pages", GroupPrefill, "hinted pages a fault read before the push",
+		"Hinted pages that a FUSE read asked for before their push landed (still queued, or their backing read in flight): the hint came too late.",
+		"prefetch_late_total"},
+	{"prefetch_pages_failed", Counter, "pages", GroupPrefill, "hinted pages that settled as failed",
+		"Hinted pages that settled as failed: their backing read or their push failed, or a page a fault served could not be confirmed in the page cache.",
+		"prefetch_pages_failed_total"},
+
+	{"warm_pages_total", Gauge, "pages", GroupWarm, "saved hot pages to fetch again",
+		"Pages of the saved hot set that the warm restart fetches again (0 without a state file).",
+		"warm_pages"},
+	{"warm_pages_done", Gauge, "pages", GroupWarm, "of them settled",
+		"Pages of the warm restart whose batch has settled (resident, failed or dropped) and had its pins applied; it reaches warm_pages_total when the warm restart is done.",
+		"warm_pages_done"},
+
+	{"goroutines", Gauge, "goroutines", GroupDaemon, "daemon goroutines",
+		"The daemon's goroutine count when the snapshot was taken: a leak shows as a count that never comes back down.",
+		"goroutines"},
+	{"pid", Info, "", GroupDaemon, "daemon process id",
+		"The daemon's process id (umount.fuse.engramfs waits for it to exit).",
+		""},
+
+	{LayerPrefix + "pushed", Counter, "pages", GroupLayers, "pages pushed",
+		"Hinted pages of layer L pushed into the page cache (warm restart included).",
+		"hint_pages_pushed_total"},
+	{LayerPrefix + "refaulted", Counter, "pages", GroupLayers, "pages FUSE read anyway",
+		"Hinted pages of layer L that a FUSE read still asked for, at most once per hint: the push came late or failed, or the page was evicted before the reader touched it.",
+		"hint_pages_refaulted_total"},
+	{LayerPrefix + "dropped", Counter, "pages", GroupLayers, "prefill pages dropped",
+		"Hinted prefill pages of layer L dropped unfetched from a full prefill queue.",
+		"hint_pages_dropped_total"},
+}
+
+// FieldByName returns the Field named name (a Field.Name), or false.
+func FieldByName(name string) (Field, bool) {
+	for _, f := range Fields {
+		if f.Name == name {
+			return f, true
+		}
+	}
+	return Field{}, false
+}
+
+var (
+	snapshotIndex = jsonIndex(reflect.TypeFor[Snapshot]())
+	layerIndex    = jsonIndex(reflect.TypeFor[LayerSnapshot]())
+)
+
+// jsonIndex maps the JSON names of struct type t to field indexes.
+func jsonIndex(t reflect.Type) map[string]int {
+	m := make(map[string]int, t.NumField())
+	for i := range t.NumField() {
+		name, _, _ := strings.Cut(t.Field(i).Tag.Get("json"), ",")
+		m[name] = i
+	}
+	return m
+}
+
+// Value is the value of field f in s (for a per-layer f, in layer's
+// LayerSnapshot): a uint64, int64, int, bool or string; nil when s has no
+// such field or layer.
+func (s Snapshot) Value(f Field, layer int) any {
+	if f.PerLayer() {
+		ls, ok := s.Layers[layer]
+		i, known := layerIndex[f.JSONKey()]
+		if !ok || !known {
+			return nil
+		}
+		return reflect.ValueOf(ls).Field(i).Interface()
+	}
+	i, ok := snapshotIndex[f.Name]
+	if !ok {
+		return nil
+	}
+	return reflect.ValueOf(s).Field(i).Interface()
+}
