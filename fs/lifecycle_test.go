@@ -9,7 +9,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
-	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/hints"
 	"github.com/engramfs/engramfs/internal/stats"
@@ -17,37 +16,16 @@ import (
 	"github.com/engramfs/engramfs/tests"
 )
 
-// newTestServer builds (does not mount) the tree of a small synthetic model.
+// newTestServer builds (does not mount) a server of its own over the model,
+// store and loader of a small test tree (helpers_test.go).
 func newTestServer(t *testing.T) (*Server, *backing.Model, *cache.Loader, *stats.Counters) {
 	t.Helper()
-	dir := t.TempDir()
-	spec := backing.DefaultSynth()
-	spec.Rows = 64
-	if err := backing.Synthesize(dir, spec); err != nil {
-		t.Fatal(err)
-	}
-	m, err := backing.Load(dir, backing.DefaultTablePattern)
+	tr := newTree(t, treeConfig{rows: 64})
+	srv, err := New(Options{Model: tr.model, Loader: tr.loader, Stats: tr.st})
 	if err != nil {
 		t.Fatal(err)
 	}
-	eng, _, err := ioengine.New("pread", 4)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { eng.Close() })
-	st := &stats.Counters{}
-	st.SetLayers(m.Layers)
-	store, err := backing.Open(m, backing.NewLocalSource(dir, backing.IOBuffered, eng, st), st)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { store.Close() })
-	loader := cache.NewLoader(store, m.Tables, st)
-	srv, err := New(Options{Model: m, Loader: loader, Stats: st})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return srv, m, loader, st
+	return srv, tr.model, tr.loader, tr.st
 }
 
 // Before Serve there is no page cache to push into: a push is a clear
