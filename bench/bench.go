@@ -1,7 +1,8 @@
 // Package bench measures how engram rows are gathered today (pread, mmap,
 // mmap+willneed on the shard files) against engramfs with and without
 // hints, and against the disk's own limit and fio's CPU per read, in one run
-// on the same data: the body of `engramfs bench` and `engramfs demo`.
+// on the same data: the body of cmd/engramfs-bench (`engramfs bench` and
+// `engramfs demo` hand over to it).
 //
 // A run generates (or reuses) a synthetic model per geometry big enough to
 // be cold, measures 4 KiB O_DIRECT random reads on its shards (and, when fio
@@ -9,14 +10,13 @@
 // every path drops the page cache and runs the decode workload (steps of
 // Zipf-popular rows, timed one by one), drops it again and runs the prefill
 // workload (chunks of unique rows, each gather timed). The engramfs paths
-// run the daemon as a child process (the running executable's `mount`), so
+// run the daemon as a child process (Config.Binary's `mount`), so
 // its CPU time and memory come from /proc and its backing I/O from
 // .engramfs/stats; the other paths' backing I/O comes from /proc/self/io.
 package bench
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -26,21 +26,10 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-)
 
-// FUSEAvailable says why this process cannot mount engramfs (nil if it can):
-// the daemon mounts FUSE directly, which needs root and /dev/fuse.
-func FUSEAvailable() error {
-	if os.Geteuid() != 0 {
-		return errors.New("not running as root (engramfs mounts FUSE directly, without fusermount)")
-	}
-	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
-	if err != nil {
-		return fmt.Errorf("cannot open /dev/fuse: %w", err)
-	}
-	f.Close()
-	return nil
-}
+	"github.com/engramfs/engramfs/internal/daemonproc"
+	"github.com/engramfs/engramfs/internal/procfs"
+)
 
 // Run measures what cfg asks for. On error (an interrupt included) it also
 // returns what was measured so far, with every mount it made gone.
@@ -63,7 +52,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	defer func() { rep.Elapsed = time.Since(start) }()
 	rep.Machine.Load = []string{"before the run: " + loadNow()}
-	busy0, total0, cpuErr := machineCPU()
+	busy0, total0, cpuErr := procfs.MachineCPU()
 	own0 := ownCPU()
 	note := func(format string, a ...any) {
 		n := fmt.Sprintf(format, a...)
@@ -73,7 +62,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 
 	paths := cfg.Paths
 	if cfg.needsMount() {
-		if err := FUSEAvailable(); err != nil {
+		if err := daemonproc.CanMount(); err != nil {
 			note("engramfs paths skipped: %v", err)
 			paths = nil
 			for _, p := range cfg.Paths {
@@ -182,7 +171,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := measureDisk("end"); err != nil {
 		return rep, err
 	}
-	if busy1, total1, err := machineCPU(); err == nil && cpuErr == nil && total1 > total0 {
+	if busy1, total1, err := procfs.MachineCPU(); err == nil && cpuErr == nil && total1 > total0 {
 		rep.Machine.Load = append(rep.Machine.Load, fmt.Sprintf("during the run: CPUs %.0f%% busy (%.0f of %.0f CPU-s), of which this bench and its daemons %.0f CPU-s",
 			100*(busy1-busy0).Seconds()/(total1-total0).Seconds(), (busy1-busy0).Seconds(), (total1-total0).Seconds(), (ownCPU()-own0).Seconds()))
 	}
@@ -273,29 +262,17 @@ func describeDisk(dir string) string {
 		}
 		dir = filepath.Dir(dir)
 	}
-	b, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := procfs.Mounts()
 	if err != nil {
 		return "unknown disk"
 	}
 	best, desc := "", "unknown disk"
-	for _, line := range strings.Split(string(b), "\n") {
-		f := strings.Fields(line)
-		sep := -1
-		for i, x := range f {
-			if x == "-" {
-				sep = i
-				break
-			}
-		}
-		if sep < 0 || sep+2 >= len(f) || len(f) < 5 {
-			continue
-		}
-		mp := f[4]
+	for _, m := range mounts {
+		mp := m.Point
 		if (dir == mp || strings.HasPrefix(dir, strings.TrimSuffix(mp, "/")+"/")) && len(mp) > len(best) {
 			best = mp
-			fstype, src := f[sep+1], f[sep+2]
-			desc = fmt.Sprintf("%s on %s", fstype, src)
-			if sz, err := os.ReadFile("/sys/class/block/" + filepath.Base(src) + "/size"); err == nil {
+			desc = fmt.Sprintf("%s on %s", m.FSType, m.Source)
+			if sz, err := os.ReadFile("/sys/class/block/" + filepath.Base(m.Source) + "/size"); err == nil {
 				if n, err := strconv.ParseInt(strings.TrimSpace(string(sz)), 10, 64); err == nil {
 					desc += fmt.Sprintf(" (%s)", fmtBytes(float64(n*512)))
 				}

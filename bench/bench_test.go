@@ -11,7 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/engramfs/engramfs/tests"
+	"github.com/engramfs/engramfs/internal/procfs"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // tinyConfig is a whole bench run small enough for a test: 8 and 4 MiB
@@ -22,8 +23,9 @@ func tinyConfig(t *testing.T) Config {
 	big, _ := NewGeometry(GeometryBig, 2, 1024)
 	flash, _ := NewGeometry(GeometryFlash, 2, 8192)
 	c := DefaultConfig()
-	c.Binary = tests.Binary(t)
+	c.Binary = testenv.Binary(t)
 	c.ModelRoot = t.TempDir()
+	c.MountDir = testenv.PrivateTempDir(t)
 	c.Geometries = []Geometry{big, flash}
 	c.Decode.Steps = 8
 	c.Prefill = DefaultPrefill(2)
@@ -39,17 +41,20 @@ func tinyConfig(t *testing.T) Config {
 	return c
 }
 
-// noBenchMounts fails t if a bench mountpoint is still mounted.
-func noBenchMounts(t *testing.T) {
+// noMountsLeft fails t if anything is still mounted under dir (the run's
+// MountDir, a directory of this test's own: other runs' mounts do not
+// count), or a mountpoint is left there.
+func noMountsLeft(t *testing.T, dir string) {
 	t.Helper()
-	b, err := os.ReadFile("/proc/self/mountinfo")
+	left, err := procfs.MountsUnder(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 4 && strings.Contains(f[4], "engramfs-bench-mnt-") {
-			t.Errorf("left mounted: %s", f[4])
-		}
+	for _, mp := range left {
+		t.Errorf("left mounted: %s", mp)
+	}
+	if ents, err := os.ReadDir(dir); err != nil || len(ents) > 0 {
+		t.Errorf("mountpoints left behind in %s: %v %v", dir, ents, err)
 	}
 }
 
@@ -58,7 +63,7 @@ func noBenchMounts(t *testing.T) {
 // against the model's bytes), backing I/O seen, hints taken, the daemon's
 // CPU and memory read, and nothing left mounted.
 func TestRunTiny(t *testing.T) {
-	tests.RequireFUSE(t)
+	testenv.RequireFUSE(t)
 	cfg := tinyConfig(t)
 	var progress bytes.Buffer
 	cfg.Progress = &progress
@@ -66,7 +71,7 @@ func TestRunTiny(t *testing.T) {
 	if err != nil {
 		t.Fatalf("%v\nprogress:\n%s", err, progress.String())
 	}
-	noBenchMounts(t)
+	noMountsLeft(t, cfg.MountDir)
 	if len(rep.Geometries) != 2 || len(rep.DiskRuns) != 2 || rep.Disk.QD1.N == 0 || rep.Disk.IOPS[4] <= 0 {
 		t.Fatalf("report lacks geometries or the disk limit: %+v", rep)
 	}
@@ -177,7 +182,7 @@ func (c *cancelOn) Write(p []byte) (int, error) {
 // TestRunInterrupted cancels a run while a daemon is mounted (what Ctrl-C
 // does): Run must return promptly with the cancellation, the mount gone.
 func TestRunInterrupted(t *testing.T) {
-	tests.RequireFUSE(t)
+	testenv.RequireFUSE(t)
 	cfg := tinyConfig(t)
 	cfg.Geometries = cfg.Geometries[:1]
 	cfg.Paths = []PathID{PathHints}
@@ -193,27 +198,25 @@ func TestRunInterrupted(t *testing.T) {
 	if d := time.Since(start); d > 9*time.Second {
 		t.Errorf("Run took %v to notice the cancellation", d)
 	}
-	noBenchMounts(t)
-	if m, _ := filepath.Glob(filepath.Join(os.TempDir(), "engramfs-bench-mnt-*")); len(m) > 0 {
-		t.Errorf("mountpoints left behind: %v", m)
-	}
+	noMountsLeft(t, cfg.MountDir)
 }
 
 // TestDaemonFailsToMount: a daemon that cannot mount (no such model) is an
 // error that says why, with nothing left behind.
 func TestDaemonFailsToMount(t *testing.T) {
-	tests.RequireFUSE(t)
-	_, err := StartDaemon(context.Background(), tests.Binary(t), nil, nil, filepath.Join(t.TempDir(), "no-model"))
+	testenv.RequireFUSE(t)
+	dir := testenv.PrivateTempDir(t)
+	_, err := startDaemon(context.Background(), testenv.Binary(t), dir, nil, nil, filepath.Join(t.TempDir(), "no-model"))
 	if err == nil || !strings.Contains(err.Error(), "exited before mounting") || !strings.Contains(err.Error(), "no-model") {
 		t.Fatalf("got %v, want an error naming the missing model", err)
 	}
-	noBenchMounts(t)
+	noMountsLeft(t, dir)
 }
 
 // TestRunGoesOnAfterAPathFails: a daemon that dies is reported as that
 // path's failure, with its output, and the other paths are still measured.
 func TestRunGoesOnAfterAPathFails(t *testing.T) {
-	tests.RequireFUSE(t)
+	testenv.RequireFUSE(t)
 	cfg := tinyConfig(t)
 	cfg.Geometries = cfg.Geometries[:1]
 	cfg.Paths = []PathID{PathEngramfs, PathMmap}
@@ -239,5 +242,5 @@ func TestRunGoesOnAfterAPathFails(t *testing.T) {
 	if !strings.Contains(b.String(), "FAILED") {
 		t.Errorf("table hides the failure:\n%s", b.String())
 	}
-	noBenchMounts(t)
+	noMountsLeft(t, cfg.MountDir)
 }

@@ -72,6 +72,10 @@ func ParsePath(s string) (PathID, error) {
 type Config struct {
 	// Binary is the engramfs executable the daemon runs from (`Binary mount`).
 	Binary string
+	// MountDir is where the daemon's mountpoints are made, one per mounted
+	// path, each removed when the path is done (default: empty, the
+	// system's temporary directory).
+	MountDir string
 	// ModelRoot holds the generated models, one directory per geometry and
 	// row count (<ModelRoot>/<geometry>-<rows>), kept between runs.
 	ModelRoot string

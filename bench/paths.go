@@ -10,6 +10,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/daemonproc"
+	"github.com/engramfs/engramfs/internal/procfs"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -71,7 +73,7 @@ func (r *geomRun) shardFiles() []string {
 // PathEngramfs it also returns the warm reference.
 func (r *geomRun) run(ctx context.Context, p PathID) (res, warm *PathResult, err error) {
 	res = &PathResult{Path: p, Label: p.Label()}
-	var d *Daemon
+	var d *daemonproc.Daemon
 	open := func() (*gatherSet, error) {
 		advice := unix.MADV_RANDOM
 		switch p {
@@ -83,7 +85,7 @@ func (r *geomRun) run(ctx context.Context, p PathID) (res, warm *PathResult, err
 		return openShards(r.model, r.cfg.Seed, advice)
 	}
 	if p.mounts() {
-		d, err = StartDaemon(ctx, r.cfg.Binary, r.flags, r.env, r.modelDir)
+		d, err = startDaemon(ctx, r.cfg.Binary, r.cfg.MountDir, r.flags, r.env, r.modelDir)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -131,7 +133,7 @@ func (r *geomRun) run(ctx context.Context, p PathID) (res, warm *PathResult, err
 
 // phase drops caches, opens the path's files, runs body and accounts for
 // the backing I/O and CPU time it cost.
-func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *Daemon, open func() (*gatherSet, error), body func(*gatherSet, *Phase) error) (*Phase, error) {
+func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *daemonproc.Daemon, open func() (*gatherSet, error), body func(*gatherSet, *Phase) error) (*Phase, error) {
 	ph := &Phase{}
 	r.prog.setPhase("%s %s: %s: dropping caches", r.g.Name, p.Label(), name)
 	files := r.shardFiles()
@@ -152,7 +154,7 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *Daemon, o
 	defer gs.close()
 
 	r.prog.setPhase("%s %s: %s", r.g.Name, p.Label(), name)
-	readBefore, err := SelfReadBytes()
+	readBefore, err := procfs.SelfReadBytes()
 	if err != nil {
 		return nil, err
 	}
@@ -188,7 +190,7 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *Daemon, o
 		ph.BackingBytes, ph.BackingFrom = delta.BackingBytes, ".engramfs/stats backing_bytes"
 		ph.DaemonCPUPerPage = cpuPerPage(ph.DaemonCPU, ph.BackingBytes)
 	} else {
-		readAfter, err := SelfReadBytes()
+		readAfter, err := procfs.SelfReadBytes()
 		if err != nil {
 			return nil, err
 		}
@@ -211,7 +213,7 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *Daemon, o
 // new mapping's page tables, so the reference pays a minor fault per page,
 // as a gather of prefetched rows does. Gathering again through the same
 // mapping would pay none, a floor no page-cache scheme can reach.
-func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *Daemon, gs *gatherSet, ph *Phase, warm *Phase, open func() (*gatherSet, error)) error {
+func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *daemonproc.Daemon, gs *gatherSet, ph *Phase, warm *Phase, open func() (*gatherSet, error)) error {
 	var h *hinter
 	if p == PathHints {
 		var err error
@@ -304,7 +306,7 @@ type prefetchRec struct {
 // prefetch overlaps the compute, as an engine that hashes ahead would.
 //
 // warm is as in decodeBody.
-func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *Daemon, gs *gatherSet, ph *Phase, warm *Phase, open func() (*gatherSet, error)) error {
+func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *daemonproc.Daemon, gs *gatherSet, ph *Phase, warm *Phase, open func() (*gatherSet, error)) error {
 	var h *hinter
 	var pf *Prefetch
 	var pfTimes []time.Duration

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/engramfs/engramfs/internal/procfs"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -78,7 +79,7 @@ type PathResult struct {
 // DaemonUsage is what the engramfs daemon of a path used.
 type DaemonUsage struct {
 	CPU time.Duration `json:"cpu_ns"` // user + system over the measured phases
-	Mem ProcMem       `json:"mem"`    // at the end of the path
+	Mem procfs.Mem    `json:"mem"`    // at the end of the path
 	// ReadEngine is how the daemon issued backing reads (.engramfs/stats
 	// read_engine: io_uring or pread), ReadEngineUnknown from a daemon that
 	// does not say.

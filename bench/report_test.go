@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/engramfs/engramfs/internal/procfs"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -38,15 +39,15 @@ func fakeReport() *Report {
 	add(PathMmap, 10*time.Millisecond, time.Second)
 	add(PathMmapWillneed, 2*time.Millisecond, 1500*time.Millisecond)
 	eng := add(PathEngramfs, 12*time.Millisecond, 2*time.Second)
-	eng.Daemon = &DaemonUsage{CPU: 3 * time.Second, Mem: ProcMem{RSS: 50 << 20, HWM: 60 << 20}, ReadEngine: "io_uring"}
+	eng.Daemon = &DaemonUsage{CPU: 3 * time.Second, Mem: procfs.Mem{RSS: 50 << 20, HWM: 60 << 20}, ReadEngine: "io_uring"}
 	eng.Decode.Stats = &stats.Snapshot{FuseReads: 1000, BackingBytes: 1000 * 4608} // a page and 512 B of O_DIRECT alignment
 	eng.Decode.DaemonCPUPerPage, eng.Prefill.DaemonCPUPerPage = 25, 40
 	add(PathWarm, 100*time.Microsecond, 110*time.Millisecond)
 	ew := add(PathEngramfsWillneed, 2400*time.Microsecond, 1800*time.Millisecond)
-	ew.Daemon = &DaemonUsage{CPU: 2 * time.Second, Mem: ProcMem{RSS: 40 << 20, HWM: 50 << 20}, ReadEngine: "pread"}
+	ew.Daemon = &DaemonUsage{CPU: 2 * time.Second, Mem: procfs.Mem{RSS: 40 << 20, HWM: 50 << 20}, ReadEngine: "pread"}
 	ew.Decode.DaemonCPUPerPage, ew.Prefill.DaemonCPUPerPage = 33, 44
 	h := add(PathHints, 2500*time.Microsecond, 120*time.Millisecond)
-	h.Daemon = &DaemonUsage{CPU: time.Second, Mem: ProcMem{RSS: 30 << 20, HWM: 40 << 20}, ReadEngine: "io_uring"}
+	h.Daemon = &DaemonUsage{CPU: time.Second, Mem: procfs.Mem{RSS: 30 << 20, HWM: 40 << 20}, ReadEngine: "io_uring"}
 	h.Decode.DaemonCPUPerPage, h.Prefill.DaemonCPUPerPage = 20, 12
 	h.Decode.Barrier, h.Decode.BarrierHow = BarrierRead, "read(2) on the control handle"
 	h.Prefill.Barrier, h.Prefill.BarrierHow = BarrierRead, "read(2) on the control handle"
@@ -267,32 +268,5 @@ func TestStatsDelta(t *testing.T) {
 	d := statsDelta(before, after)
 	if d.FuseReads != 5 || d.BackingBytes != 300 || d.CacheUsedBytes != 3 || !d.CachePinned {
 		t.Errorf("delta = %+v: counters subtract, gauges keep their last value", d)
-	}
-}
-
-func TestProcParsers(t *testing.T) {
-	// The command name may hold spaces and parentheses.
-	stat := []byte("1234 (engram fs) (x)) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 8 0 100 0 0\n")
-	cpu, err := parseStatCPU(stat)
-	if err != nil || cpu != 3250*time.Millisecond {
-		t.Errorf("cpu = %v, %v; want 325 ticks = 3.25s", cpu, err)
-	}
-	status := []byte("Name:\tengramfs\nVmPeak:\t  9999 kB\nVmHWM:\t    2048 kB\nVmRSS:\t    1024 kB\nRssAnon:\t     256 kB\nRssFile:\t     768 kB\n")
-	m, err := parseStatusMem(status)
-	if err != nil || m.RSS != 1<<20 || m.HWM != 2<<20 || m.Anon != 256<<10 || m.File != 768<<10 {
-		t.Errorf("mem = %+v, %v", m, err)
-	}
-	if _, err := parseStatusMem([]byte("Name:\tkthreadd\n")); err == nil {
-		t.Error("a status without VmRSS parsed")
-	}
-	io := []byte("rchar: 1\nwchar: 2\nsyscr: 3\nsyscw: 4\nread_bytes: 8192\nwrite_bytes: 0\n")
-	if n, err := parseIOReadBytes(io); err != nil || n != 8192 {
-		t.Errorf("read_bytes = %d, %v", n, err)
-	}
-	if _, err := SelfReadBytes(); err != nil {
-		t.Errorf("reading our own /proc/self/io: %v", err)
-	}
-	if _, err := ProcCPU(os.Getpid()); err != nil {
-		t.Errorf("reading our own /proc stat: %v", err)
 	}
 }

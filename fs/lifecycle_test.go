@@ -12,8 +12,8 @@ import (
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/hints"
 	"github.com/engramfs/engramfs/internal/stats"
+	"github.com/engramfs/engramfs/internal/testenv"
 	"github.com/engramfs/engramfs/prefetch"
-	"github.com/engramfs/engramfs/tests"
 )
 
 // newTestServer builds (does not mount) a server of its own over the model,
@@ -69,7 +69,7 @@ func TestPushBeforeServeIsErrNotServing(t *testing.T) {
 // (NOTIFY_STORE answers ENOENT for an inode never looked up); faults reach
 // the connected sink; Close stops pushes; Unmount leaves no mount.
 func TestServeLifecycle(t *testing.T) {
-	tests.RequireFUSE(t)
+	testenv.RequireFUSE(t)
 	srv, m, _, _ := newTestServer(t)
 	faults := &faultLog{}
 	srv.Connect(nil, faults)

@@ -3,41 +3,20 @@ package tests
 import (
 	"fmt"
 	"math/rand/v2"
-	"os"
-	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/engramfs/engramfs/hints"
 	"github.com/engramfs/engramfs/hints/client"
+	"github.com/engramfs/engramfs/internal/procfs"
 )
 
-// procBytes reads one "Key: N kB" line of /proc/PID/FILE (status,
-// smaps_rollup), in bytes. It does not fail the test, so a watcher
-// goroutine can call it too.
-func procBytes(pid int, file, key string) (int64, error) {
-	path := "/proc/" + strconv.Itoa(pid) + "/" + file
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return 0, err
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, key+":"); ok {
-			if f := strings.Fields(v); len(f) > 0 {
-				kb, err := strconv.ParseInt(f[0], 10, 64)
-				return kb * 1024, err
-			}
-		}
-	}
-	return 0, fmt.Errorf("%s has no %s", path, key)
-}
-
-// mustProcBytes is procBytes that fails t.
+// mustProcBytes reads one "Key: N kB" line of /proc/PID/FILE (status,
+// smaps_rollup), in bytes, or fails t.
 func mustProcBytes(t testing.TB, pid int, file, key string) int64 {
 	t.Helper()
-	n, err := procBytes(pid, file, key)
+	n, err := procfs.PidKB(pid, file, key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,7 +36,7 @@ func TestPrefillFloodDropsOldestAndDecodeGoesFirst(t *testing.T) {
 	// so the queue must drop, and decode must overtake it.
 	d := Mount(t, Synth(t, spec), "--inject-faults", "latency=4ms", "--queue-depth", "4", "--prefetch-queue", "8192")
 	maps := layerMaps(t, d, Model(t, d.ModelDir), 0)
-	pid := d.Cmd.Process.Pid
+	pid := d.Pid()
 	rss0 := rssBytes(t, pid)
 
 	flood := openControl(t, d)

@@ -135,7 +135,7 @@ func BenchmarkHintsDecodeBesidePrefillFlood(b *testing.B) {
 func BenchmarkHintsPartialFramesRSS(b *testing.B) {
 	spec := benchModel(b, 4000)
 	d := Mount(b, Synth(b, spec))
-	pid := d.Cmd.Process.Pid
+	pid := d.Pid()
 	before := rssBytes(b, pid)
 	frame := hints.AppendBinary(nil, hints.Prefill, 0, make([]uint64, hints.MaxRowsPerFrame)) // row 0, repeated
 	frame = frame[:len(frame)-8]                                                              // one row short

@@ -85,13 +85,13 @@ func settle(t testing.TB, d *Daemon) {
 // smaps_rollup (VmLck counts the whole MLOCK_ONFAULT mappings of the tier).
 func lockedBytes(t testing.TB, d *Daemon) int64 {
 	t.Helper()
-	return mustProcBytes(t, d.Cmd.Process.Pid, "smaps_rollup", "Locked")
+	return mustProcBytes(t, d.Pid(), "smaps_rollup", "Locked")
 }
 
 // vmas is the daemon's number of mappings.
 func vmas(t testing.TB, d *Daemon) int {
 	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(d.Cmd.Process.Pid) + "/maps")
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(d.Pid()) + "/maps")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/procfs"
 )
 
 // capsh drops a capability from the bounding set before exec'ing bash, which
@@ -24,17 +25,11 @@ func withoutIPCLock(memlockKiB int) []string {
 // procStatusField is one line of /proc/pid/status, without its key.
 func procStatusField(t testing.TB, pid int, key string) string {
 	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	v, err := procfs.StatusField(pid, key)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, key+":"); ok {
-			return strings.TrimSpace(v)
-		}
-	}
-	t.Fatalf("no %s in /proc/%d/status", key, pid)
-	return ""
+	return v
 }
 
 // TestHotTierUnpinnedWithoutCapIPCLock runs the daemon as Docker and
@@ -50,7 +45,7 @@ func TestHotTierUnpinnedWithoutCapIPCLock(t *testing.T) {
 	}
 	spec := geometries()["4096B"]
 	d := MountWrapped(t, withoutIPCLock(64), Synth(t, spec), "--cache-size", "2MiB")
-	pid := d.Cmd.Process.Pid
+	pid := d.Pid()
 	capEff, err := strconv.ParseUint(procStatusField(t, pid, "CapEff"), 16, 64)
 	if err != nil {
 		t.Fatal(err)

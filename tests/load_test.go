@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/procfs"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // LoadSecondsEnv sets how long the load test runs (default 5 s in CI; the
@@ -75,7 +77,7 @@ func TestLoadEightReaders(t *testing.T) {
 				return
 			case <-time.After(100 * time.Millisecond):
 			}
-			if rss, err := procBytes(d.Cmd.Process.Pid, "status", "VmRSS"); err == nil {
+			if rss, err := procfs.PidKB(d.Pid(), "status", "VmRSS"); err == nil {
 				peak = max(peak, rss)
 			}
 		}
@@ -91,7 +93,7 @@ func TestLoadEightReaders(t *testing.T) {
 	// under -race peaked at 300 MiB, the same run without it at 147 MiB);
 	// the budget + 100 MiB bound is for the daemon as shipped.
 	limit := int64(budget + 100<<20)
-	if raceEnabled {
+	if testenv.RaceEnabled {
 		limit = budget + 400<<20
 	}
 	if peak > limit {

@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // geometries are the two row shapes that must both work: rows of a page or
@@ -304,7 +305,7 @@ func requireNumpy(t *testing.T) string {
 	t.Helper()
 	python := "/usr/bin/python3"
 	if err := exec.Command(python, "-c", "import numpy").Run(); err != nil {
-		if os.Getenv(RequireFUSEEnv) == "1" {
+		if os.Getenv(testenv.RequireFUSEEnv) == "1" {
 			t.Fatalf("%s with numpy is needed (Debian: python3-numpy): %v", python, err)
 		}
 		t.Skipf("%s with numpy is needed (Debian: python3-numpy): %v", python, err)

@@ -11,6 +11,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/internal/procfs"
+	"github.com/engramfs/engramfs/internal/stats"
 )
 
 // helperLinks makes mount.fuse.engramfs and umount.fuse.engramfs symlinks to
@@ -44,13 +47,10 @@ func helperLinks(t *testing.T, dir string) (mountHelper, umountHelper string) {
 // daemonPid is the pid of the daemon serving mp (from its stats).
 func daemonPid(t *testing.T, mp string) int {
 	t.Helper()
-	return (&Daemon{Mountpoint: mp}).Stats(t).Pid
+	return mountAt(mp).Stats(t).Pid
 }
 
-func processGone(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	return err != nil || strings.Contains(string(b), ") Z ")
-}
+func processGone(pid int) bool { return !procfs.Alive(pid) }
 
 // cleanupMount detaches mp and kills its daemon if a test left them.
 func cleanupMount(t *testing.T, mp string) {
@@ -58,14 +58,8 @@ func cleanupMount(t *testing.T, mp string) {
 		if !Mounted(mp) {
 			return
 		}
-		if b, err := os.ReadFile(filepath.Join(mp, ".engramfs", "stats")); err == nil {
-			var pid int
-			if i := strings.Index(string(b), `"pid": `); i >= 0 {
-				fmt.Sscanf(string(b[i+7:]), "%d", &pid)
-			}
-			if pid > 0 {
-				_ = syscall.Kill(pid, syscall.SIGTERM)
-			}
+		if s, err := stats.ReadFile(mp); err == nil && s.Pid > 0 {
+			_ = syscall.Kill(s.Pid, syscall.SIGTERM)
 		}
 		time.Sleep(time.Second)
 		_ = syscall.Unmount(mp, syscall.MNT_DETACH)
@@ -108,7 +102,7 @@ func TestMountHelperAsMountRunsIt(t *testing.T) {
 	if _, err := os.ReadFile(filepath.Join(mp, "manifest.json")); err != nil || !Mounted(mp) {
 		t.Fatalf("the helper returned but the mount does not answer: %v", err)
 	}
-	st := (&Daemon{Mountpoint: mp}).Stats(t)
+	st := mountAt(mp).Stats(t)
 	if st.CacheCapacityBytes != 8<<20 {
 		t.Fatalf("cache_size=8M gave a %d-byte tier", st.CacheCapacityBytes)
 	}
@@ -123,7 +117,7 @@ func TestMountHelperAsMountRunsIt(t *testing.T) {
 	}
 	// Pin something, so the daemon's own mappings make the mount busy:
 	// the umount helper must still unmount, and the daemon must exit.
-	decodeStep(t, openControl(t, &Daemon{Mountpoint: mp}), 0, []uint64{1, 2, 3})
+	decodeStep(t, openControl(t, mountAt(mp)), 0, []uint64{1, 2, 3})
 	umountAndWait(t, func() ([]byte, error) { return exec.Command(umountHelper, mp).CombinedOutput() }, mp, pid)
 }
 
@@ -191,7 +185,7 @@ func TestMountTypeFuseEngramfs(t *testing.T) {
 		if _, err := os.ReadFile(filepath.Join(mp, "manifest.json")); err != nil {
 			t.Fatalf("%s: the mount does not answer: %v", how, err)
 		}
-		st := (&Daemon{Mountpoint: mp}).Stats(t)
+		st := mountAt(mp).Stats(t)
 		if st.CacheCapacityBytes != cacheBytes {
 			t.Fatalf("%s: a %d-byte tier, want %d", how, st.CacheCapacityBytes, cacheBytes)
 		}
@@ -204,7 +198,7 @@ func TestMountTypeFuseEngramfs(t *testing.T) {
 		t.Fatalf("mount -t fuse.engramfs: %v\n%s", err, out)
 	}
 	pid := check("mount -t fuse.engramfs", 8<<20)
-	decodeStep(t, openControl(t, &Daemon{Mountpoint: mp}), 0, []uint64{1, 2, 3}) // pinned pages: the mount is busy
+	decodeStep(t, openControl(t, mountAt(mp)), 0, []uint64{1, 2, 3}) // pinned pages: the mount is busy
 	umountAndWait(t, umount, mp, pid)
 
 	// An fstab line, as documented in docs/operations.md.

@@ -39,7 +39,7 @@ func TestStatsCommand(t *testing.T) {
 	if err := json.Unmarshal(out, &s); err != nil {
 		t.Fatalf("--json is not the stats JSON: %v\n%s", err, out)
 	}
-	if s.FuseReads == 0 || s.HintRows != 3 || len(s.Layers) != 2 || s.Layers[1].Pushed == 0 || s.Pid != d.Cmd.Process.Pid {
+	if s.FuseReads == 0 || s.HintRows != 3 || len(s.Layers) != 2 || s.Layers[1].Pushed == 0 || s.Pid != d.Pid() {
 		t.Fatalf("--json: %+v", s)
 	}
 

@@ -6,11 +6,8 @@ import (
 	"time"
 
 	"github.com/engramfs/engramfs/bench"
+	"github.com/engramfs/engramfs/internal/daemonproc"
 )
-
-func init() {
-	register("demo", "mount a small synthetic model and compare mmap with engramfs (under a minute)", runDemo)
-}
 
 func runDemo(args []string) error {
 	fl := newFlagSet("demo", "[flags]", `
@@ -26,13 +23,18 @@ under a minute. Needs root and /dev/fuse (engramfs mounts FUSE directly).
 tables large enough to be cold, the disk's limit).`)
 	keep := fl.Bool("keep", false, "keep the temporary model directory (its path is printed)")
 	plotOut := fl.String("plot", "", "also draw the results as a PNG chart to `FILE`")
+	engramfs := engramfsFlag(fl)
 	if err := fl.Parse(args); err != nil {
 		return err
 	}
 	if fl.NArg() != 0 {
 		return usagef("takes no arguments, got %q", fl.Args())
 	}
-	if err := bench.FUSEAvailable(); err != nil {
+	bin, err := findEngramfs(*engramfs)
+	if err != nil {
+		return err
+	}
+	if err := daemonproc.CanMount(); err != nil {
 		return fmt.Errorf(`needs root and /dev/fuse to mount engramfs: %v.
 Run it as root (sudo engramfs demo) on a machine whose kernel has FUSE
 (modprobe fuse; in a container: --device /dev/fuse --cap-add SYS_ADMIN)`, err)
@@ -64,9 +66,7 @@ Run it as root (sudo engramfs demo) on a machine whose kernel has FUSE
 	cfg.FioRuntime = 0 // no fio floor: the demo stays short
 	// Only the demo's own files: a demo must not empty the machine's page cache.
 	cfg.Drop = bench.DropFiles
-	if cfg.Binary, err = os.Executable(); err != nil {
-		return err
-	}
+	cfg.Binary = bin
 	cfg.Progress, cfg.ProgressTTY = os.Stderr, isTerminal(os.Stderr)
 	if err := runAndReport(cfg, "", *plotOut); err != nil {
 		return err

@@ -1,0 +1,44 @@
+package main
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestFindEngramfs(t *testing.T) {
+	t.Setenv("PATH", t.TempDir())
+	// The test binary has no engramfs beside it (its directory is go test's own).
+	if _, err := findEngramfs(""); err == nil || !strings.Contains(err.Error(), "go build -o bin/ ./cmd/...") {
+		t.Errorf("no engramfs: %v, want the build command", err)
+	}
+	var ue usageError
+	if _, err := findEngramfs(filepath.Join(t.TempDir(), "nope")); !errors.As(err, &ue) {
+		t.Errorf("a missing --engramfs: %v, want a usage error", err)
+	}
+	dir := t.TempDir()
+	p := filepath.Join(dir, "engramfs")
+	if err := os.WriteFile(p, []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := findEngramfs(p); err != nil || got != p {
+		t.Errorf("--engramfs %s: %q, %v", p, got, err)
+	}
+	t.Setenv("PATH", dir)
+	if got, err := findEngramfs(""); err != nil || got != p {
+		t.Errorf("engramfs on PATH: %q, %v", got, err)
+	}
+}
+
+func TestRunUsage(t *testing.T) {
+	var b strings.Builder
+	if code := run([]string{"help"}, &b); code != 0 || !strings.Contains(b.String(), "demo") {
+		t.Errorf("help: %d\n%s", code, b.String())
+	}
+	b.Reset()
+	if code := run([]string{"bench", "extra"}, &b); code != 2 || !strings.Contains(b.String(), "takes no arguments") {
+		t.Errorf("bench extra: %d, want 2\n%s", code, b.String())
+	}
+}

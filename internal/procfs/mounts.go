@@ -1,0 +1,101 @@
+package procfs
+
+import (
+	"os"
+	"strings"
+)
+
+// Mount is one line of /proc/self/mountinfo.
+type Mount struct {
+	Point  string // where it is mounted, octal escapes decoded
+	FSType string // e.g. "fuse.engramfs", "ext4"
+	Source string // e.g. "/dev/vda", or what the FUSE daemon named it
+}
+
+// Mounts is this process's mount table (its mount namespace), from
+// /proc/self/mountinfo.
+func Mounts() ([]Mount, error) {
+	b, err := os.ReadFile(Root + "/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	return ParseMountinfo(b), nil
+}
+
+// ParseMountinfo parses the text of a mountinfo file: "ID PARENT MAJ:MIN
+// ROOT POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTIONS". Lines
+// not of that form are skipped.
+func ParseMountinfo(b []byte) []Mount {
+	var ms []Mount
+	for _, line := range strings.Split(string(b), "\n") {
+		if line == "" {
+			continue
+		}
+		f := strings.Fields(line)
+		sep := -1
+		for i := 6; i < len(f); i++ {
+			if f[i] == "-" {
+				sep = i
+				break
+			}
+		}
+		if len(f) < 5 || sep < 0 || sep+2 >= len(f) {
+			continue // not a mount line: the kernel writes none
+		}
+		ms = append(ms, Mount{Point: unescape(f[4]), FSType: f[sep+1], Source: unescape(f[sep+2])})
+	}
+	return ms
+}
+
+// unescape decodes the octal escapes (\040 for a space, \011, \012, \134)
+// the kernel writes in mountinfo paths.
+func unescape(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) && isOctal(s[i+1]) && isOctal(s[i+2]) && isOctal(s[i+3]) {
+			b.WriteByte((s[i+1]-'0')<<6 | (s[i+2]-'0')<<3 | (s[i+3] - '0'))
+			i += 3
+			continue
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+func isOctal(c byte) bool { return c >= '0' && c <= '7' }
+
+// Mounted reports whether mp is a mountpoint in this mount namespace. An
+// unreadable mount table counts as not mounted.
+func Mounted(mp string) bool {
+	ms, err := Mounts()
+	if err != nil {
+		return false
+	}
+	for _, m := range ms {
+		if m.Point == mp {
+			return true
+		}
+	}
+	return false
+}
+
+// MountsUnder is the mountpoints at or below dir: with dir a directory of
+// this run's own, what it left mounted, whatever other processes mount
+// elsewhere meanwhile.
+func MountsUnder(dir string) ([]string, error) {
+	ms, err := Mounts()
+	if err != nil {
+		return nil, err
+	}
+	prefix := strings.TrimSuffix(dir, "/") + "/"
+	var out []string
+	for _, m := range ms {
+		if m.Point == dir || strings.HasPrefix(m.Point, prefix) {
+			out = append(out, m.Point)
+		}
+	}
+	return out, nil
+}

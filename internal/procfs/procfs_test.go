@@ -1,0 +1,173 @@
+package procfs
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestParseStatCPU(t *testing.T) {
+	// The command name may hold spaces and parentheses.
+	stat := []byte("1234 (engram fs) (x)) S 1 1234 1234 0 -1 4194560 100 0 0 0 250 75 0 0 20 0 8 0 100 0 0\n")
+	cpu, err := ParseStatCPU(stat)
+	if err != nil || cpu != 3250*time.Millisecond {
+		t.Errorf("cpu = %v, %v; want 325 ticks = 3.25s", cpu, err)
+	}
+	if _, err := ParseStatCPU([]byte("1234 (x) S 1 2\n")); err == nil {
+		t.Error("a short stat line parsed")
+	}
+	if _, err := CPU(os.Getpid()); err != nil {
+		t.Errorf("reading our own /proc stat: %v", err)
+	}
+	if !Alive(os.Getpid()) {
+		t.Error("this process is not alive")
+	}
+}
+
+func TestKB(t *testing.T) {
+	status := []byte("Name:\tengramfs\nVmPeak:\t  9999 kB\nVmHWM:\t    2048 kB\nVmRSS:\t    1024 kB\nRssAnon:\t     256 kB\nRssFile:\t     768 kB\nThreads:\t8\n")
+	m, err := ParseStatusMem(status)
+	if err != nil || m.RSS != 1<<20 || m.HWM != 2<<20 || m.Anon != 256<<10 || m.File != 768<<10 {
+		t.Errorf("mem = %+v, %v", m, err)
+	}
+	if _, err := ParseStatusMem([]byte("Name:\tkthreadd\n")); err == nil {
+		t.Error("a status without VmRSS parsed")
+	}
+	// A key is a whole key: VmHWM is not found as HWM, Threads is no kB line.
+	if _, ok, _ := KB(status, "HWM"); ok {
+		t.Error("found HWM inside VmHWM")
+	}
+	if _, _, err := KB(status, "Threads"); err == nil {
+		t.Error("Threads parsed as kB")
+	}
+	if n, err := PidKB(os.Getpid(), "status", "VmRSS"); err != nil || n <= 0 {
+		t.Errorf("our own VmRSS = %d, %v", n, err)
+	}
+	if _, err := PidKB(os.Getpid(), "status", "NoSuchKey"); err == nil {
+		t.Error("a missing key read")
+	}
+	if v, err := StatusField(os.Getpid(), "Name"); err != nil || v == "" {
+		t.Errorf("our own Name = %q, %v", v, err)
+	}
+}
+
+// TestLockedBytes locks a page and sees it in Locked (root or a memlock
+// limit of a page allows that).
+func TestLockedBytes(t *testing.T) {
+	before, err := LockedBytes(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := unix.Mmap(-1, 0, 64<<10, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(b)
+	if err := unix.Mlock(b); err != nil {
+		t.Skipf("mlock: %v", err)
+	}
+	after, err := LockedBytes(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after-before < 64<<10 {
+		t.Errorf("Locked grew by %d B after locking 64 KiB", after-before)
+	}
+}
+
+func TestSchedCPU(t *testing.T) {
+	a, err := SchedCPU(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	spin := time.Now()
+	for time.Since(spin) < 20*time.Millisecond {
+	}
+	b, err := SchedCPU(os.Getpid())
+	if err != nil || b <= a {
+		t.Errorf("schedstat CPU went from %v to %v (%v) over a 20 ms spin", a, b, err)
+	}
+}
+
+func TestIOAndMachine(t *testing.T) {
+	io := []byte("rchar: 1\nwchar: 2\nsyscr: 3\nsyscw: 4\nread_bytes: 8192\nwrite_bytes: 0\n")
+	if n, err := ParseIOReadBytes(io); err != nil || n != 8192 {
+		t.Errorf("read_bytes = %d, %v", n, err)
+	}
+	if _, err := SelfReadBytes(); err != nil {
+		t.Errorf("reading our own /proc/self/io: %v", err)
+	}
+	busy, total, err := ParseMachineCPU([]byte("cpu  100 1 50 1000 10 2 3 4 0 0\ncpu0 1 1 1 1 1 1 1 1 0 0\n"))
+	if err != nil || busy != 1600*time.Millisecond || total != 11700*time.Millisecond {
+		t.Errorf("busy %v total %v, %v; want 1.6s of 11.7s", busy, total, err)
+	}
+	if _, _, err := MachineCPU(); err != nil {
+		t.Error(err)
+	}
+}
+
+func TestVMStat(t *testing.T) {
+	m, err := ParseVMStat([]byte("nr_free_pages 123\npgmajfault 45\n"))
+	if err != nil || m["nr_free_pages"] != 123 || m["pgmajfault"] != 45 || len(m) != 2 {
+		t.Errorf("vmstat = %v, %v", m, err)
+	}
+	if _, err := ParseVMStat([]byte("pgmajfault x\n")); err == nil {
+		t.Error("a bad counter parsed")
+	}
+	live, err := VMStat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := live["pgfault"]; !ok {
+		t.Error("/proc/vmstat has no pgfault")
+	}
+}
+
+func TestMountinfo(t *testing.T) {
+	info := []byte(`22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
+35 22 0:31 / /tmp/a\040b rw,nosuid master:3 shared:9 - fuse.engramfs engramfs rw,user_id=0
+36 22 0:32 / /tmp/a\040bc rw - tmpfs tmpfs rw
+`)
+	ms := ParseMountinfo(info)
+	want := []Mount{{"/", "ext4", "/dev/vda"}, {"/tmp/a b", "fuse.engramfs", "engramfs"}, {"/tmp/a bc", "tmpfs", "tmpfs"}}
+	if len(ms) != len(want) {
+		t.Fatalf("mounts = %+v", ms)
+	}
+	for i := range want {
+		if ms[i] != want[i] {
+			t.Errorf("mount %d = %+v, want %+v", i, ms[i], want[i])
+		}
+	}
+	if got := unescape(`a\134b\0`); got != `a\b\0` {
+		t.Errorf("unescape = %q", got)
+	}
+	if !Mounted("/") {
+		t.Error("/ is not mounted")
+	}
+	// A directory of our own has no mounts under it, whatever is mounted
+	// elsewhere, until we mount one there (as root).
+	dir := t.TempDir()
+	if m, err := MountsUnder(dir); err != nil || len(m) != 0 {
+		t.Fatalf("mounts under a fresh dir: %v, %v", m, err)
+	}
+	if os.Geteuid() != 0 {
+		return
+	}
+	mp := filepath.Join(dir, "m")
+	if err := os.Mkdir(mp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("tmpfs", mp, "tmpfs", 0, "size=1m"); err != nil {
+		t.Skipf("mount tmpfs: %v", err)
+	}
+	defer unix.Unmount(mp, unix.MNT_DETACH)
+	if m, err := MountsUnder(dir); err != nil || len(m) != 1 || m[0] != mp || !Mounted(mp) {
+		t.Errorf("mounts under %s = %v, %v; Mounted %v", dir, m, err, Mounted(mp))
+	}
+	if m, _ := MountsUnder(dir + "x"); len(m) != 0 {
+		t.Errorf("a sibling's mounts count: %v", m)
+	}
+}

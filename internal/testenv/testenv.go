@@ -1,0 +1,112 @@
+// Package testenv holds what the tests of several packages share about
+// their environment: whether this machine can mount FUSE, the engramfs
+// binaries built for the run, and directories of the run's own. It is for
+// tests only; nothing the daemon or the bench runs imports it.
+package testenv
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/internal/daemonproc"
+	"github.com/engramfs/engramfs/internal/procfs"
+)
+
+// RequireFUSEEnv names the variable that makes a missing FUSE a failure.
+const RequireFUSEEnv = "ENGRAMFS_REQUIRE_FUSE"
+
+// RequireFUSE skips t when this machine cannot mount FUSE directly (not
+// root, or no /dev/fuse), or fails it when ENGRAMFS_REQUIRE_FUSE=1 (as in
+// CI).
+func RequireFUSE(t testing.TB) {
+	t.Helper()
+	err := daemonproc.CanMount()
+	if err == nil {
+		return
+	}
+	if os.Getenv(RequireFUSEEnv) == "1" {
+		t.Fatalf("mount tests: %v, and %s=1 requires them", err, RequireFUSEEnv)
+	}
+	t.Skipf("mount tests: %v", err)
+}
+
+var (
+	buildMu  sync.Mutex
+	binDir   string              // GUARDED_BY(buildMu)
+	built    = map[string]bool{} // GUARDED_BY(buildMu)
+	buildErr = map[string]error{}
+)
+
+// Binary builds cmd/engramfs once per test run and returns its path.
+func Binary(t testing.TB) string { return Command(t, "engramfs") }
+
+// Command builds cmd/NAME once per test run (with -race when the tests run
+// with it, so the binary is checked too) and returns its path. Every
+// command lands in the same directory, so engramfs finds engramfs-bench
+// beside it.
+func Command(t testing.TB, name string) string {
+	t.Helper()
+	buildMu.Lock()
+	defer buildMu.Unlock()
+	if binDir == "" {
+		dir, err := os.MkdirTemp("", "engramfs-bin-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		binDir = dir
+	}
+	path := filepath.Join(binDir, name)
+	if !built[name] {
+		built[name] = true
+		args := []string{"build", "-o", path}
+		if RaceEnabled {
+			args = append(args, "-race")
+		}
+		args = append(args, "github.com/engramfs/engramfs/cmd/"+name)
+		if out, err := exec.Command(GoTool(), args...).CombinedOutput(); err != nil {
+			buildErr[name] = fmt.Errorf("go build %s: %v\n%s", name, err, out)
+		}
+	}
+	if err := buildErr[name]; err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// GoTool is the go command of the toolchain running the tests.
+func GoTool() string {
+	p := filepath.Join(runtime.GOROOT(), "bin", "go")
+	if _, err := os.Stat(p); err == nil {
+		return p
+	}
+	return "go"
+}
+
+// PrivateTempDir is a temporary directory of t's own to make mountpoints
+// in: what is mounted below it is this test's alone, so counting the mounts
+// under it (procfs.MountsUnder) does not count another concurrent run's
+// (which a search of the whole mount table for a name pattern would). Once
+// t and its other cleanups are done, whatever is still mounted below it is
+// detached and reported as an error, before the directory is removed.
+func PrivateTempDir(t testing.TB) string {
+	t.Helper()
+	dir := t.TempDir()
+	t.Cleanup(func() {
+		left, err := procfs.MountsUnder(dir)
+		if err != nil {
+			t.Errorf("mount table: %v", err)
+		}
+		for _, mp := range left {
+			_ = unix.Unmount(mp, unix.MNT_DETACH)
+			t.Errorf("left mounted: %s (detached it)", mp)
+		}
+	})
+	return dir
+}
