@@ -3,7 +3,6 @@ package backing
 import (
 	"fmt"
 	"sync"
-	"time"
 
 	"github.com/engramfs/engramfs/internal/stats"
 )
@@ -121,15 +120,7 @@ func (s *Store) submit(inline bool, reads []*TableRead) {
 func (s *Store) shardRead(r *TableRead) *ShardRead {
 	t := r.Table
 	abs := t.DataStart + r.Off
-	var start time.Time
-	tm := s.st.Timings
-	if tm != nil { // metrics off: no clock reads on the data path
-		start = time.Now()
-	}
 	return &ShardRead{Off: abs, Len: r.Len, Demand: r.Demand, Done: func(data []byte, err error) {
-		if tm != nil {
-			tm.BackingRead(t.ID, time.Since(start))
-		}
 		if err != nil {
 			s.st.BackingErrors.Add(1)
 			err = fmt.Errorf("table %s: %w", t.Name, err)

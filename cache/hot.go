@@ -199,7 +199,7 @@ func (h *HotCache) Flush() {
 	}
 }
 
-// Keys lists the pages in the tier, hottest first within each shard (the
+// Keys lists the pages in the tier, hottest first within each stripe (the
 // state to save for a warm restart).
 func (h *HotCache) Keys() []PageKey { return h.tier.Keys() }
 

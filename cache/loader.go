@@ -23,8 +23,10 @@ const NegativeTTL = time.Second
 // maxNegative bounds the pages remembered as failed.
 const maxNegative = 1 << 16
 
-// Origin says who asked for a page; the loader uses it to count late
-// prefetches (a fault that caught a prefetch still in flight).
+// Origin says who asked for a page: a fault's reads are demand reads
+// (sources with lanes serve them first). Whether a fault caught a prefetch (prefetch_late) is
+// the prefetcher's to count (prefetch.Prefetcher.Faulted), not the
+// loader's.
 type Origin uint8
 
 const (
@@ -66,7 +68,6 @@ type Loader struct {
 
 // flight is one page being read, and the fetches that wait for it.
 type flight struct {
-	origin  Origin
 	waiters []*fetch
 }
 
@@ -167,9 +168,6 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 			k := PageKey{Table: r.Table, Page: r.First + i}
 			if fl, ok := l.flights[k]; ok {
 				fl.waiters = append(fl.waiters, f)
-				if origin == OriginFault && fl.origin == OriginPrefetch {
-					l.st.PrefetchLate.Add(1)
-				}
 				reads = l.appendRead(reads, t, k.Page-mine, mine, demand)
 				mine = 0
 				continue
@@ -184,7 +182,7 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 				}
 				delete(l.negative, k)
 			}
-			l.flights[k] = &flight{origin: origin, waiters: []*fetch{f}}
+			l.flights[k] = &flight{waiters: []*fetch{f}}
 			if mine++; mine == MaxRunPages {
 				reads = l.appendRead(reads, t, k.Page+1-mine, mine, demand)
 				mine = 0

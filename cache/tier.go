@@ -78,19 +78,19 @@ func (c *Changes) Reset() {
 // (pinned or ghost; BenchmarkTierMemory), where the map-and-list SLRU took
 // ~300.
 //
-// The tier is split into shards (a mutex and three segments each), keyed by a
+// The tier is split into stripes (a mutex and three segments each), keyed by a
 // hash of the page, so concurrent FUSE readers and hint writers rarely meet
-// on one lock. The budget is the tier's, not each shard's: a page is
+// on one lock. The budget is the tier's, not each stripe's: a page is
 // admitted only once it has a page of the budget, taken from the free budget
-// or by evicting from its own shard, so a working set that fits the budget is
-// held whole however the hash spreads it (with a budget per shard, 20,000
-// pages in 20,064 lost 171 to the fullest shards). A shard's nominal share
+// or by evicting from its own stripe, so a working set that fits the budget is
+// held whole however the hash spreads it (with a budget per stripe, 20,000
+// pages in 20,064 lost 171 to the fullest stripes). A stripe's nominal share
 // (capacity/N) sizes its protected segment, its ghost list and its slots; a
-// shard above its share gives up ghost slots. Every method is safe for
+// stripe above its share gives up ghost slots. Every method is safe for
 // concurrent use.
 type Tier struct {
-	shards       []shard
-	shift        uint // shard index = mixed hash >> shift
+	stripes      []stripe
+	shift        uint // stripe index = mixed hash >> shift
 	admitPrefill prefillAdmission
 	capacity     int64        // pages
 	used         atomic.Int64 // pages in the tier; never above capacity
@@ -112,9 +112,9 @@ type Tier struct {
 //     Admitting only pages the ghost list remembers (recently in the tier)
 //     loses nothing there and keeps the gain when they are related.
 const (
-	maxShards         = 16
-	minShardPages     = 512 // below this per shard, use fewer shards: tiny shards waste budget to rounding
-	probationPermille = 100 // probation's reserved share of a shard
+	maxStripes        = 16
+	minStripePages    = 512 // below this per stripe, use fewer stripes: tiny stripes waste budget to rounding
+	probationPermille = 100 // probation's reserved share of a stripe
 	ghostPermille     = 1000
 	admitPrefill      = prefillGhost
 )
@@ -130,7 +130,7 @@ const (
 
 // tierOptions exist for the benchmarks that pick the constants above.
 type tierOptions struct {
-	shards            int // 0: by capacity
+	stripes           int // 0: by capacity
 	probationPermille int
 	ghostPermille     int
 	admitPrefill      prefillAdmission
@@ -159,8 +159,8 @@ func unpackKey(p uint64) PageKey {
 	return PageKey{Table: uint32(p >> keyPageBits), Page: p & (1<<keyPageBits - 1)}
 }
 
-// mix is a 64-bit finalizer (murmur3's fmix64): shards use its top bits, each
-// shard's index its low bits.
+// mix is a 64-bit finalizer (murmur3's fmix64): stripes use its top bits, each
+// stripe's index its low bits.
 func mix(x uint64) uint64 {
 	x ^= x >> 33
 	x *= 0xff51afd7ed558ccd
@@ -180,12 +180,12 @@ const (
 	nSegs = 3 // lists with a head slot
 )
 
-// shard is one independent SLRU over slots. A slot is a tracked page: on
+// stripe is one independent SLRU over slots. A slot is a tracked page: on
 // probation, protected or the ghost list. All fields GUARDED_BY(mu).
-type shard struct {
+type stripe struct {
 	mu           sync.Mutex
 	t            *Tier
-	capacity     int    // pages: the shard's nominal share of the budget
+	capacity     int    // pages: the stripe's nominal share of the budget
 	protectedMax int    // capacity minus probation's reserved share
 	ghostMax     int    // ghost list length
 	n            [3]int // pages on each list
@@ -211,10 +211,10 @@ func newTier(capacityBytes int64, o tierOptions) *Tier {
 		return t
 	}
 	t.capacity = pages
-	n := o.shards
+	n := o.stripes
 	if n <= 0 {
-		n = maxShards
-		for n > 1 && pages/int64(n) < minShardPages {
+		n = maxStripes
+		for n > 1 && pages/int64(n) < minStripePages {
 			n /= 2
 		}
 	}
@@ -226,19 +226,19 @@ func newTier(capacityBytes int64, o tierOptions) *Tier {
 		bits++
 	}
 	t.shift = 64 - bits
-	t.shards = make([]shard, n)
-	for i := range t.shards {
+	t.stripes = make([]stripe, n)
+	for i := range t.stripes {
 		c := int(pages / int64(n))
 		if int64(i) < pages%int64(n) {
-			c++ // shard capacities sum to exactly the budget
+			c++ // stripe capacities sum to exactly the budget
 		}
-		t.shards[i].t = t
-		t.shards[i].init(c, o)
+		t.stripes[i].t = t
+		t.stripes[i].init(c, o)
 	}
 	return t
 }
 
-func (s *shard) init(capacity int, o tierOptions) {
+func (s *stripe) init(capacity int, o tierOptions) {
 	s.capacity = capacity
 	reserve := max(1, (capacity*o.probationPermille+999)/1000)
 	s.protectedMax = max(0, capacity-reserve)
@@ -267,15 +267,15 @@ func (s *shard) init(capacity int, o tierOptions) {
 	s.mask = uint64(size - 1)
 }
 
-func (t *Tier) shardOf(key uint64) *shard {
-	if len(t.shards) == 1 {
-		return &t.shards[0]
+func (t *Tier) stripeOf(key uint64) *stripe {
+	if len(t.stripes) == 1 {
+		return &t.stripes[0]
 	}
-	return &t.shards[mix(key)>>t.shift]
+	return &t.stripes[mix(key)>>t.shift]
 }
 
 // lookup returns the slot of key, or 0. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) lookup(key uint64) uint32 {
+func (s *stripe) lookup(key uint64) uint32 {
 	for i := mix(key) & s.mask; ; i = (i + 1) & s.mask {
 		sl := s.index[i]
 		if sl == 0 || s.key[sl] == key {
@@ -286,7 +286,7 @@ func (s *shard) lookup(key uint64) uint32 {
 
 // indexAdd records slot sl (whose key is not indexed yet).
 // EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) indexAdd(sl uint32) {
+func (s *stripe) indexAdd(sl uint32) {
 	i := mix(s.key[sl]) & s.mask
 	for s.index[i] != 0 {
 		i = (i + 1) & s.mask
@@ -296,7 +296,7 @@ func (s *shard) indexAdd(sl uint32) {
 
 // indexDel forgets slot sl, shifting later entries of its probe run back (no
 // tombstones). EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) indexDel(sl uint32) {
+func (s *stripe) indexDel(sl uint32) {
 	i := mix(s.key[sl]) & s.mask
 	for s.index[i] != sl {
 		i = (i + 1) & s.mask
@@ -318,14 +318,14 @@ func (s *shard) indexDel(sl uint32) {
 }
 
 // unlink takes slot sl off its list. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) unlink(sl uint32) {
+func (s *stripe) unlink(sl uint32) {
 	p, n := s.prev[sl], s.next[sl]
 	s.next[p], s.prev[n] = n, p
 	s.n[s.seg[sl]]--
 }
 
 // pushFront puts slot sl at the MRU end of list l. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) pushFront(l uint8, sl uint32) {
+func (s *stripe) pushFront(l uint8, sl uint32) {
 	h := uint32(l)
 	n := s.next[h]
 	s.prev[sl], s.next[sl] = h, n
@@ -336,7 +336,7 @@ func (s *shard) pushFront(l uint8, sl uint32) {
 
 // oldest is the LRU slot of list l, or 0 when it is empty.
 // EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) oldest(l uint8) uint32 {
+func (s *stripe) oldest(l uint8) uint32 {
 	if p := s.prev[l]; p != uint32(l) {
 		return p
 	}
@@ -344,7 +344,7 @@ func (s *shard) oldest(l uint8) uint32 {
 }
 
 // release frees slot sl (already unlinked). EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) release(sl uint32) {
+func (s *stripe) release(sl uint32) {
 	s.indexDel(sl)
 	s.seg[sl] = segFree
 	s.next[sl] = s.free
@@ -353,10 +353,10 @@ func (s *shard) release(sl uint32) {
 
 // Access records an access to each page of keys (in order; a page named twice
 // is a hit the second time) and appends to out the pages to pin and unpin.
-// It does no I/O: it takes one shard lock per key, for well under a
-// microsecond. LOCKS_EXCLUDED(every shard's mu).
+// It does no I/O: it takes one stripe lock per key, for well under a
+// microsecond. LOCKS_EXCLUDED(every stripe's mu).
 func (t *Tier) Access(keys []PageKey, sig Signal, out *Changes) {
-	if len(t.shards) == 0 || len(keys) == 0 {
+	if len(t.stripes) == 0 || len(keys) == 0 {
 		return
 	}
 	ev0 := len(out.events)
@@ -366,7 +366,7 @@ func (t *Tier) Access(keys []PageKey, sig Signal, out *Changes) {
 			out.Misses++
 			continue
 		}
-		s := t.shardOf(key)
+		s := t.stripeOf(key)
 		s.mu.Lock()
 		s.access(key, sig, t.admitPrefill, out)
 		s.mu.Unlock()
@@ -393,7 +393,7 @@ func (t *Tier) Access(keys []PageKey, sig Signal, out *Changes) {
 }
 
 // access is one page. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) access(key uint64, sig Signal, admit prefillAdmission, out *Changes) {
+func (s *stripe) access(key uint64, sig Signal, admit prefillAdmission, out *Changes) {
 	sl := s.lookup(key)
 	seg := segFree
 	if sl != 0 {
@@ -430,9 +430,9 @@ func (s *shard) access(key uint64, sig Signal, admit prefillAdmission, out *Chan
 
 // admit inserts a page that is in neither segment (sl is its ghost slot, or
 // 0). It first takes a page of the budget: a free one, or one evicted from
-// this shard; if this shard holds none, the page is not admitted.
+// this stripe; if this stripe holds none, the page is not admitted.
 // EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) admit(key uint64, sl uint32, protect bool, out *Changes) {
+func (s *stripe) admit(key uint64, sl uint32, protect bool, out *Changes) {
 	if sl != 0 {
 		s.unlink(sl) // off the ghost list (so the evictions below keep it)
 	}
@@ -466,9 +466,9 @@ func (s *shard) admit(key uint64, sl uint32, protect bool, out *Changes) {
 }
 
 // alloc returns a free slot: from the free list, else the ghost list's
-// oldest, else (a shard far above its share) a page evicted from the shard,
+// oldest, else (a stripe far above its share) a page evicted from the stripe,
 // forgotten at once. EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) alloc(out *Changes) uint32 {
+func (s *stripe) alloc(out *Changes) uint32 {
 	if s.free == 0 {
 		g := s.oldest(segGhost)
 		if g == 0 {
@@ -478,7 +478,7 @@ func (s *shard) alloc(out *Changes) uint32 {
 		if g == 0 {
 			// Only with no ghost list at all: evictOne released its slot.
 			if s.free == 0 {
-				panic("cache: tier shard has no slot to give") // slots > 2 + pages of the shard
+				panic("cache: tier stripe has no slot to give") // slots > 2 + pages of the stripe
 			}
 		} else {
 			s.unlink(g)
@@ -493,7 +493,7 @@ func (s *shard) alloc(out *Changes) uint32 {
 // demote moves protected's overflow to probation's MRU end (SLRU): a page
 // that stops being hit gets one more probation lifetime before eviction.
 // EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) demote() {
+func (s *stripe) demote() {
 	for s.n[segProtected] > s.protectedMax {
 		sl := s.oldest(segProtected)
 		s.unlink(sl)
@@ -502,10 +502,10 @@ func (s *shard) demote() {
 }
 
 // evictOne evicts the LRU page of probation (of protected if probation is
-// empty) onto the ghost list; false if the shard holds no page. Protected is
+// empty) onto the ghost list; false if the stripe holds no page. Protected is
 // never above protectedMax < capacity, so probation is rarely empty.
 // EXCLUSIVE_LOCKS_REQUIRED(s.mu)
-func (s *shard) evictOne(out *Changes) bool {
+func (s *stripe) evictOne(out *Changes) bool {
 	sl := s.oldest(segProbation)
 	if sl == 0 {
 		if sl = s.oldest(segProtected); sl == 0 {
@@ -532,13 +532,13 @@ func (s *shard) evictOne(out *Changes) bool {
 // During an Access call that evicts k and admits it again, it may report
 // false for a moment; an executor that acts on it must not run concurrently
 // with Access (HotCache reads it under the mutex that its Access calls hold).
-// LOCKS_EXCLUDED(shard mu)
+// LOCKS_EXCLUDED(stripe mu)
 func (t *Tier) Contains(k PageKey) bool {
 	key, ok := packKey(k)
-	if len(t.shards) == 0 || !ok {
+	if len(t.stripes) == 0 || !ok {
 		return false
 	}
-	s := t.shardOf(key)
+	s := t.stripeOf(key)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	sl := s.lookup(key)
@@ -548,10 +548,10 @@ func (t *Tier) Contains(k PageKey) bool {
 // segmentOf names the list page k is on ("none" if untracked), for tests.
 func (t *Tier) segmentOf(k PageKey) string {
 	key, ok := packKey(k)
-	if len(t.shards) == 0 || !ok {
+	if len(t.stripes) == 0 || !ok {
 		return "none"
 	}
-	s := t.shardOf(key)
+	s := t.stripeOf(key)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if sl := s.lookup(key); sl != 0 {
@@ -566,20 +566,20 @@ func (t *Tier) Len() int { return int(t.used.Load()) }
 // Capacity is the budget in pages.
 func (t *Tier) Capacity() int { return int(t.capacity) }
 
-// Keys lists the pages in the tier, shard by shard, each shard hottest first
+// Keys lists the pages in the tier, stripe by stripe, each stripe hottest first
 // (protected, then probation, MRU to LRU): the order to re-admit them in
 // after a restart.
 func (t *Tier) Keys() []PageKey {
 	var ks []PageKey
-	for i := range t.shards {
-		ks = t.shards[i].appendList(ks, segProtected)
-		ks = t.shards[i].appendList(ks, segProbation)
+	for i := range t.stripes {
+		ks = t.stripes[i].appendList(ks, segProtected)
+		ks = t.stripes[i].appendList(ks, segProbation)
 	}
 	return ks
 }
 
 // appendList appends the pages of list l, MRU first. LOCKS_EXCLUDED(s.mu)
-func (s *shard) appendList(dst []PageKey, l uint8) []PageKey {
+func (s *stripe) appendList(dst []PageKey, l uint8) []PageKey {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for sl := s.next[l]; sl != uint32(l); sl = s.next[sl] {
@@ -590,13 +590,13 @@ func (s *shard) appendList(dst []PageKey, l uint8) []PageKey {
 
 // Remove drops page k from the tier without reporting an unpin (and without
 // remembering it in the ghost list): for a page whose pin failed or was never
-// attempted. LOCKS_EXCLUDED(shard mu)
+// attempted. LOCKS_EXCLUDED(stripe mu)
 func (t *Tier) Remove(k PageKey) {
 	key, ok := packKey(k)
-	if len(t.shards) == 0 || !ok {
+	if len(t.stripes) == 0 || !ok {
 		return
 	}
-	s := t.shardOf(key)
+	s := t.stripeOf(key)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if sl := s.lookup(key); sl != 0 && s.seg[sl] != segGhost {
@@ -624,8 +624,8 @@ func comparePageKeys(a, b PageKey) int {
 // ghostLen is the number of pages on the ghost lists.
 func (t *Tier) ghostLen() int {
 	n := 0
-	for i := range t.shards {
-		s := &t.shards[i]
+	for i := range t.stripes {
+		s := &t.stripes[i]
 		s.mu.Lock()
 		n += s.n[segGhost]
 		s.mu.Unlock()

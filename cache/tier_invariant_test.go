@@ -5,9 +5,9 @@ import (
 	"testing"
 )
 
-// checkIndex verifies a shard's structure: every listed slot is indexed
+// checkIndex verifies a stripe's structure: every listed slot is indexed
 // under its key, the index names only listed slots, list counts add up.
-func checkIndex(t *testing.T, s *shard) {
+func checkIndex(t *testing.T, s *stripe) {
 	t.Helper()
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -47,7 +47,7 @@ func TestTierIndexInvariant(t *testing.T) {
 		rng := rand.New(rand.NewPCG(seed, 99))
 		pages := int64(1 + rng.IntN(3000))
 		o := defaultTierOptions()
-		o.shards = 1 << rng.IntN(4)
+		o.stripes = 1 << rng.IntN(4)
 		o.ghostPermille = rng.IntN(2000)
 		o.admitPrefill = prefillAdmission(rng.IntN(3))
 		tr := newTier(pages*PageSize, o)
@@ -64,12 +64,12 @@ func TestTierIndexInvariant(t *testing.T) {
 			c.Reset()
 			tr.Access(ks, Signal(rng.IntN(3)), &c)
 			if op%97 == 0 {
-				for i := range tr.shards {
-					checkIndex(t, &tr.shards[i])
+				for i := range tr.stripes {
+					checkIndex(t, &tr.stripes[i])
 				}
 				n := 0
-				for i := range tr.shards {
-					s := &tr.shards[i]
+				for i := range tr.stripes {
+					s := &tr.stripes[i]
 					n += s.n[segProbation] + s.n[segProtected]
 				}
 				if n != tr.Len() || n > tr.Capacity() {

@@ -85,13 +85,13 @@ func access(t *Tier, sig Signal, ks ...PageKey) Changes {
 	return c
 }
 
-// tenPages is a one-shard tier of 10 pages, 2 of them probation's reserve
+// tenPages is a one-stripe tier of 10 pages, 2 of them probation's reserve
 // (8 protected at most), that admits every prefill page: the unit tests of
 // the transitions fix the tuning they rely on.
 func tenPages(t *testing.T) *Tier {
 	tr := newTier(10*PageSize, tierOptions{probationPermille: 200, ghostPermille: 1000, admitPrefill: prefillAll})
-	if len(tr.shards) != 1 || tr.Capacity() != 10 || tr.shards[0].protectedMax != 8 {
-		t.Fatalf("tier of 10 pages: %d shards, capacity %d, protectedMax %d", len(tr.shards), tr.Capacity(), tr.shards[0].protectedMax)
+	if len(tr.stripes) != 1 || tr.Capacity() != 10 || tr.stripes[0].protectedMax != 8 {
+		t.Fatalf("tier of 10 pages: %d stripes, capacity %d, protectedMax %d", len(tr.stripes), tr.Capacity(), tr.stripes[0].protectedMax)
 	}
 	return tr
 }
@@ -269,12 +269,12 @@ func TestTierRemove(t *testing.T) {
 	}
 }
 
-func TestTierShardsSumToBudget(t *testing.T) {
+func TestTierStripesSumToBudget(t *testing.T) {
 	for _, pages := range []int64{1, 7, 511, 1024, 8191, 8192, 100_003, 1 << 20} {
 		tr := NewTier(pages*PageSize + PageSize/2)
-		n := len(tr.shards)
-		if tr.Capacity() != int(pages) || n&(n-1) != 0 || n > maxShards {
-			t.Errorf("%d pages: capacity %d over %d shards", pages, tr.Capacity(), n)
+		n := len(tr.stripes)
+		if tr.Capacity() != int(pages) || n&(n-1) != 0 || n > maxStripes {
+			t.Errorf("%d pages: capacity %d over %d stripes", pages, tr.Capacity(), n)
 		}
 	}
 }
@@ -288,7 +288,7 @@ func TestTierBudgetProperty(t *testing.T) {
 		rng := rand.New(rand.NewPCG(seed, 7))
 		pages := int64(1 + rng.IntN(80))
 		o := defaultTierOptions()
-		o.shards = 1 << rng.IntN(3)
+		o.stripes = 1 << rng.IntN(3)
 		o.probationPermille = 50 + rng.IntN(500)
 		o.ghostPermille = rng.IntN(2000)
 		o.admitPrefill = prefillAdmission(rng.IntN(3))
@@ -365,8 +365,8 @@ func TestTierScanResistance(t *testing.T) {
 			// Warm up until protected is full: then every page a scan
 			// promotes (through a ghost hit) demotes a decode-hot page.
 			protectedMax := 0
-			for i := range tr.shards {
-				protectedMax += tr.shards[i].protectedMax
+			for i := range tr.stripes {
+				protectedMax += tr.stripes[i].protectedMax
 			}
 			var hot []PageKey
 			for steps := 0; len(hot) < protectedMax*99/100; steps++ {
@@ -377,8 +377,8 @@ func TestTierScanResistance(t *testing.T) {
 				tr.Access(step, SignalDecode, &c)
 				if steps%100 == 0 {
 					hot = hot[:0]
-					for i := range tr.shards {
-						hot = tr.shards[i].appendList(hot, segProtected)
+					for i := range tr.stripes {
+						hot = tr.stripes[i].appendList(hot, segProtected)
 					}
 				}
 			}

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"sync"
 	"syscall"
-	"time"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -17,8 +16,9 @@ import (
 	"github.com/engramfs/engramfs/prefetch"
 )
 
-// Hinter receives decoded hint frames (prefetch.Prefetcher).
-type Hinter interface {
+// HintSink receives decoded hint frames (prefetch.Prefetcher). (The
+// clients' side, which sends frames, is hints/client.Hinter.)
+type HintSink interface {
 	// SubmitPart queues the rows one write delivered of a frame; frameEnd
 	// says the frame is complete. It never waits for fetches or queue room.
 	SubmitPart(b *prefetch.Barrier, class hints.Class, layer int, rows []uint64, frameEnd bool)
@@ -31,6 +31,9 @@ type Hinter interface {
 type controlFile struct {
 	roFile
 	r *root
+	// wait is the barrier's wait, chosen once when the tree is built:
+	// waitBarrier, or a timed one when metrics are on (timing.go).
+	wait func(ctx context.Context, h *controlHandle) (prefetch.Status, error)
 }
 
 // ControlSize is the size the control file reports. The kernel takes the
@@ -117,27 +120,18 @@ func (c *controlFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte,
 	return fuse.ReadResultData(append(line, '\n')), 0
 }
 
-// barrier waits for h's frames, timing the wait when metrics are on.
+// barrier waits for h's frames.
 func (c *controlFile) barrier(ctx context.Context, h *controlHandle) (prefetch.Status, syscall.Errno) {
-	var (
-		st  prefetch.Status
-		err error
-	)
-	if tm := c.r.o.Stats.Timings; tm != nil {
-		h.mu.Lock()
-		layer := h.layer
-		h.layer = stats.BarrierNoLayer
-		h.mu.Unlock()
-		start := time.Now()
-		st, err = h.b.Status(ctx)
-		tm.BarrierWaited(layer, time.Since(start))
-	} else {
-		st, err = h.b.Status(ctx)
-	}
+	st, err := c.wait(ctx, h)
 	if err != nil {
 		return st, syscall.EINTR
 	}
 	return st, 0
+}
+
+// waitBarrier is the untimed barrier wait.
+func waitBarrier(ctx context.Context, h *controlHandle) (prefetch.Status, error) {
+	return h.b.Status(ctx)
 }
 
 // Write feeds the handle's frame stream: it decodes and queues, and never
@@ -158,7 +152,7 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 	}
 	o := c.r.o
 	h.mu.Lock()
-	if o.Hints != nil && h.dec.AtFrameStart() && h.b.DecodeBacklog() >= o.Hints.Config().DecodeQueuePages {
+	if o.hints != nil && h.dec.AtFrameStart() && h.b.DecodeBacklog() >= o.hints.Config().DecodeQueuePages {
 		h.mu.Unlock()
 		o.Stats.HintRefused.Add(1)
 		return 0, syscall.EAGAIN
@@ -176,8 +170,8 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 			o.Stats.HintFrames.Add(1)
 		}
 		o.Stats.HintRows.Add(uint64(len(f.Rows)))
-		if o.Hints != nil {
-			o.Hints.SubmitPart(h.b, f.Class, f.Layer, f.Rows, !f.More)
+		if o.hints != nil {
+			o.hints.SubmitPart(h.b, f.Class, f.Layer, f.Rows, !f.More)
 		}
 	}
 	h.mu.Unlock()
@@ -212,20 +206,4 @@ func (c *controlFile) Fsync(ctx context.Context, fh gofs.FileHandle, flags uint3
 		return syscall.EIO
 	}
 	return 0
-}
-
-// Store pushes data into the page cache of table id at off (NOTIFY_STORE).
-// It implements prefetch.Pusher; never call it from a Read handler.
-func (s *Server) Store(id uint32, off int64, data []byte) error {
-	if int(id) >= len(s.root.tables) {
-		return syscall.EINVAL
-	}
-	switch errno := s.root.tables[id].EmbeddedInode().WriteCache(off, data); errno {
-	case 0:
-		return nil
-	case syscall.ENOENT:
-		return prefetch.ErrNotLookedUp
-	default:
-		return errno
-	}
 }

@@ -20,7 +20,7 @@ import (
 
 const controlPath = ".engramfs/control"
 
-// hintLog is a Hinter that keeps every part it is given.
+// hintLog is a HintSink that keeps every part it is given.
 type hintLog struct {
 	recorder[hintPart]
 	cfgMu sync.Mutex
@@ -318,14 +318,14 @@ func prefetchTree(t *testing.T, pl *pushLog) *tree {
 	tr := newTree(t, treeConfig{hints: h})
 	p := prefetch.New(prefetch.Config{InflightPages: 16, Pushers: 1, PrefillQueuePages: 1 << 16, DecodeQueuePages: 1 << 16},
 		tr.model, tr.loader, pl, nil, tr.st, nil)
-	h.Hinter = p
+	h.HintSink = p
 	t.Cleanup(p.Close)
 	return tr
 }
 
 // lateHinter lets the prefetcher be built after the tree (it needs the
 // tree's model and loader).
-type lateHinter struct{ Hinter }
+type lateHinter struct{ HintSink }
 
 // rowPages are the file pages that rows of layer span, in every table of
 // that layer, computed from the table files' own headers.

@@ -11,13 +11,9 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
-	"time"
 
-	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
-	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
@@ -25,30 +21,21 @@ import (
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
-// newRawFS builds the node tree Mount would serve for o and returns go-fuse's
-// request bridge over it, without mounting anything. It is the ONLY place
-// the tests depend on how fs assembles a server: when that changes, change
-// this function alone. It mirrors Mount: same root, same attributes, same
+// newRawFS builds the node tree Serve would mount for o, connected to
+// hints and faults, and returns go-fuse's request bridge over it, without
+// mounting anything. It is the ONLY place the tests depend on how fs
+// assembles a server: when that changes, change this function alone. New
+// builds the tree before any mount, so this is the server's own root and
 // gofs.Options (the timeouts matter: with NegativeTimeout set, a lookup of a
 // missing name answers OK with node ID 0, a negative entry).
-func newRawFS(t testing.TB, o Options) (fuse.RawFileSystem, *root) {
+func newRawFS(t testing.TB, o Options, hints HintSink, faults FaultSink) (fuse.RawFileSystem, *root) {
 	t.Helper()
-	if o.Log == nil {
-		o.Log = zap.NewNop()
+	srv, err := New(o)
+	if err != nil {
+		t.Fatal(err)
 	}
-	o.uid, o.gid = uint32(os.Getuid()), uint32(os.Getgid())
-	o.hotLog = o.Log
-	r := &root{o: &o, mtime: time.Unix(1_700_000_000, 0)}
-	r.roDir.attr = r.attr(syscall.S_IFDIR|0o755, 0)
-	timeout := cacheTimeout
-	raw := gofs.NewNodeFS(r, &gofs.Options{
-		EntryTimeout:    &timeout,
-		AttrTimeout:     &timeout,
-		NegativeTimeout: &timeout,
-		UID:             o.uid,
-		GID:             o.gid,
-	})
-	return raw, r
+	srv.Connect(hints, faults)
+	return srv.rawFS, srv.root
 }
 
 // tree is a synthetic model served through the raw bridge.
@@ -68,8 +55,8 @@ type treeConfig struct {
 	flash  bool                  // small rows: many rows per page
 	rows   uint64                // rows per table (default 1001: every table ends on a short page)
 	reader func() backing.Reader // nil: the real store over the shards
-	hints  Hinter
-	faults FaultObserver
+	hints  HintSink
+	faults FaultSink
 }
 
 // newTree synthesizes a two-layer model in a temporary directory and serves
@@ -111,7 +98,7 @@ func newTree(t *testing.T, c treeConfig) *tree {
 		rd = store
 	}
 	loader := cache.NewLoader(rd, m.Tables, st)
-	raw, r := newRawFS(t, Options{Model: m, Loader: loader, Stats: st, Hints: c.hints, Faults: c.faults})
+	raw, r := newRawFS(t, Options{Model: m, Loader: loader, Stats: st}, c.hints, c.faults)
 	return &tree{t: t, spec: spec, model: m, st: st, loader: loader, raw: raw, root: r,
 		caller: fuse.Caller{Owner: fuse.Owner{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid())}, Pid: uint32(os.Getpid())}}
 }

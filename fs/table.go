@@ -3,7 +3,6 @@ package fs
 import (
 	"context"
 	"syscall"
-	"time"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -14,10 +13,11 @@ import (
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
-// FaultObserver hears of the data pages that demand faults brought in (the
-// hot tier uses them as a hotness signal). It must not block: it is called
-// from the Read handler.
-type FaultObserver interface {
+// FaultSink hears of the data pages that FUSE reads brought in
+// (prefetch.Prefetcher: the one place that decides what a fault means for
+// late prefetches, hint accuracy and the hot tier). It must not block: it
+// is called from the Read handler, after the pages are loaded.
+type FaultSink interface {
 	Faulted(keys []cache.PageKey)
 }
 
@@ -28,8 +28,8 @@ type tableFile struct {
 	t      *backing.Table
 	loader *cache.Loader
 	st     *stats.Counters
-	faults FaultObserver // may be nil
-	log    *zap.Logger   // sampled: Read is a hot path
+	faults FaultSink   // may be nil
+	log    *zap.Logger // sampled: Read is a hot path
 }
 
 var (
@@ -48,19 +48,9 @@ func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 
 // Read serves a page fault or read(2) on a table file. With MaxReadAhead 1
 // the kernel asks for exactly the faulting page, so a cold fault costs one
-// page of backing I/O.
+// page of backing I/O. This is the untimed node; timedTableFile
+// (timing.go) wraps it when metrics are on.
 func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
-	tm := f.st.Timings
-	if tm == nil { // metrics off: no clock reads on the fault path
-		return f.read(dest, off)
-	}
-	start := time.Now()
-	res, errno := f.read(dest, off)
-	tm.FaultServed(f.t.ID, time.Since(start))
-	return res, errno
-}
-
-func (f *tableFile) read(dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	t := f.t
 	if off < 0 || off >= t.FileSize || len(dest) == 0 {
 		return fuse.ReadResultData(nil), 0

@@ -261,7 +261,7 @@ func TestTableReadCounters(t *testing.T) {
 	}
 }
 
-// faultLog is a FaultObserver that keeps what it is told.
+// faultLog is a FaultSink that keeps what it is told.
 type faultLog struct{ recorder[cache.PageKey] }
 
 func (f *faultLog) Faulted(keys []cache.PageKey) { f.add(keys...) }

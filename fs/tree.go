@@ -89,8 +89,9 @@ func buildIndex(m *backing.Model) []byte {
 	return append(b, '\n')
 }
 
-// root is the mount's root directory; it builds the whole (fixed) tree when
-// the kernel first sees it.
+// root is the mount's root directory; it builds the whole (fixed) tree in
+// OnAdd, which go-fuse calls from NewNodeFS (New), before anything is
+// mounted.
 type root struct {
 	roDir
 	o      *Options
@@ -130,16 +131,17 @@ func (r *root) OnAdd(ctx context.Context) {
 		for _, t := range m.LayerTables(layer) {
 			tf := &tableFile{
 				roFile: roFile{attr: r.attr(syscall.S_IFREG|0o444, int(t.FileSize))},
-				t:      t, loader: r.o.Loader, st: r.o.Stats, faults: r.o.Faults, log: r.o.hotLog,
+				t:      t, loader: r.o.Loader, st: r.o.Stats, faults: r.o.faults, log: r.o.hotLog,
 			}
-			addFile(ld, t.Kind+".safetensors", tf)
+			addFile(ld, t.Kind+".safetensors", timeTable(tf, r.o.Stats.Timings))
 			r.tables[t.ID] = tf
 		}
 	}
 
 	ctl := addDir(&r.Inode, ControlDir)
 	addFile(ctl, StatsFile, &statsFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o444, 0)}, st: r.o.Stats})
-	addFile(ctl, ControlFile, &controlFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o600, ControlSize)}, r: r})
+	addFile(ctl, ControlFile, &controlFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o600, ControlSize)}, r: r,
+		wait: timeBarrier(waitBarrier, r.o.Stats.Timings)})
 }
 
 // attr returns the fixed attributes of a node: owned by the daemon's user,

@@ -57,6 +57,8 @@ func (r *recordingTier) Pinned(k cache.PageKey) bool {
 	return r.pinned[k]
 }
 
+func (r *recordingTier) OwnFault(k cache.PageKey) bool { return false }
+
 func (r *recordingTier) Admit(keys []cache.PageKey, sig cache.Signal) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -140,16 +142,16 @@ func TestRefaultedCountsEachHintOnce(t *testing.T) {
 	notHinted := cache.PageKey{Table: 0, Page: m.Tables[0].DataPage() + 900}
 
 	hint()
-	p.Refaulted(append(keys, notHinted))
+	p.Faulted(append(keys, notHinted))
 	if got := st.Layer(0).Refaulted.Load(); got != 3 {
 		t.Fatalf("refaulted %d after faulting 3 hinted pages and 1 other, want 3", got)
 	}
-	p.Refaulted(keys)
+	p.Faulted(keys)
 	if got := st.Layer(0).Refaulted.Load(); got != 3 {
 		t.Fatalf("refaulted %d after faulting them again without a hint, want 3", got)
 	}
 	hint()
-	p.Refaulted(keys[:1])
+	p.Faulted(keys[:1])
 	if got := st.Layer(0).Refaulted.Load(); got != 4 {
 		t.Fatalf("refaulted %d after a new hint and one fault, want 4", got)
 	}
@@ -193,7 +195,7 @@ func TestDroppedCountedByLayer(t *testing.T) {
 	}
 	// A dropped page was never pushed: a fault on it is not a refault.
 	first, _ := m.Tables[1].RowPages(rows[0])
-	p.Refaulted([]cache.PageKey{{Table: 1, Page: first}})
+	p.Faulted([]cache.PageKey{{Table: 1, Page: first}})
 	if got := st.Layer(1).Refaulted.Load(); got != 0 {
 		t.Fatalf("a fault on a dropped page counted as refaulted (%d)", got)
 	}
@@ -217,6 +219,6 @@ func BenchmarkRefaulted(b *testing.B) {
 	b.ResetTimer()
 	for i := range b.N {
 		keys[0].Page = pages[i%len(pages)]
-		p.Refaulted(keys)
+		p.refaulted(keys)
 	}
 }

@@ -12,7 +12,6 @@
 package prefetch
 
 import (
-	"errors"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -25,17 +24,13 @@ import (
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
-// ErrNotLookedUp is what a Pusher returns when the kernel does not know the
-// file's inode yet (NOTIFY_STORE answers ENOENT before the first lookup).
-// The page is not resident then: it settles as failed. The daemon looks
-// every table file up at mount so that this does not happen.
-var ErrNotLookedUp = errors.New("inode not looked up by the kernel yet")
-
 // Pusher stores data into the page cache of table's file at byte offset off.
 // off is page-aligned and data is whole pages, except that the last page of
 // the file may be short. Store must not be called from a FUSE Read handler
 // (design.md: the folio being read is locked, the store would wait forever);
-// the prefetcher only calls it from its own pusher goroutines.
+// the prefetcher only calls it from its own pusher goroutines. A store that
+// fails (fs.ErrNotServing before the mount is up) settles its pages as
+// failed.
 type Pusher interface {
 	Store(table uint32, off int64, data []byte) error
 }
@@ -54,10 +49,13 @@ type PageFetcher interface {
 	Fetch(runs []cache.Run, origin cache.Origin, done cache.FetchDone)
 }
 
-// HotTier is the pinned hot tier, when there is one.
+// HotTier is the pinned hot tier, when there is one (cache.HotCache).
 type HotTier interface {
 	Pinned(k cache.PageKey) bool
 	Admit(keys []cache.PageKey, sig cache.Signal)
+	// OwnFault: a FUSE read of k is the tier's own populate of a page it is
+	// pinning, not a reader's demand.
+	OwnFault(k cache.PageKey) bool
 }
 
 // Config sizes the prefetcher.
@@ -80,9 +78,17 @@ type Config struct {
 	DecodeQueuePages int
 }
 
+// Defaults of Config's queue bounds (the daemon's --prefetch-queue and
+// --decode-queue).
+const (
+	DefaultPrefillQueuePages = 1 << 18 // 1 GiB of pages, all handles together
+	DefaultDecodeQueuePages  = 1 << 16 // 256 MiB of pages, per handle
+)
+
 // DefaultConfig is the configuration for a backing queue depth.
 func DefaultConfig(queueDepth int) Config {
-	return Config{InflightPages: max(2*queueDepth, 16), Pushers: 1, PrefillQueuePages: 1 << 18, DecodeQueuePages: 1 << 16}
+	return Config{InflightPages: max(2*queueDepth, 16), Pushers: 1,
+		PrefillQueuePages: DefaultPrefillQueuePages, DecodeQueuePages: DefaultDecodeQueuePages}
 }
 
 // Prefetcher schedules, fetches and pushes hinted pages.
@@ -209,7 +215,7 @@ func (p *Prefetcher) SubmitPart(b *Barrier, class hints.Class, layer int, rows [
 func (p *Prefetcher) SubmitPages(keys []cache.PageKey, sig cache.Signal, b *Barrier) {
 	var valid []cache.PageKey
 	for _, k := range keys {
-		if t := p.table(k.Table); t != nil && k.Page >= t.DataPage() && k.Page < t.Pages() {
+		if t := p.modelTable(k.Table); t != nil && k.Page >= t.DataPage() && k.Page < t.Pages() {
 			valid = append(valid, k)
 		}
 	}
@@ -363,41 +369,63 @@ func (p *Prefetcher) publishLocked() {
 	}
 }
 
-func (p *Prefetcher) table(id uint32) *backing.Table {
+// modelTable returns the model's table id, or nil.
+func (p *Prefetcher) modelTable(id uint32) *backing.Table {
 	if int(id) >= len(p.model.Tables) {
 		return nil
 	}
 	return p.model.Tables[id]
 }
 
-// ServedByFault tells the prefetcher that a FUSE read is serving keys. A page
-// still waiting in a queue is late: the fault reads it, so the prefetch
-// would read it a second time. Its fetch is cancelled, and it settles as
-// resident once a pusher has confirmed it in the page cache (the fault's
-// reply reaches the kernel after this call). It returns how many pages were
-// late this way; pages already in flight are counted by the loader, which
-// hands the fault the prefetch's read. It never blocks: it is called from
-// the Read handler.
-func (p *Prefetcher) ServedByFault(keys []cache.PageKey) (late int) {
+// Faulted is the one receiver of "FUSE reads asked for these pages" (fs
+// calls it from the Read handler once the pages are loaded): it decides
+// what a fault means, and every counter it feeds has no other writer.
+//
+//   - The hot tier's own populate faults (it faults a page in to pin it)
+//     are no demand: they are dropped first.
+//   - A page whose prefetch is still queued or in flight is late
+//     (prefetch_late). A queued one has its fetch cancelled, since the
+//     fault reads it (fetching it too would read it twice); it settles as
+//     resident once a pusher has confirmed it in the page cache (the
+//     fault's reply reaches the kernel after this call). An in-flight one
+//     is the same read: the loader handed the fault the prefetch's read,
+//     or the prefetch the fault's, and its push waits for the fault's reply
+//     (the kernel holds the page's lock until then).
+//   - A page a hint asked for since its last fault counts once as
+//     refaulted in its layer (refaulted).
+//   - The hot tier hears of the rest as fault hits (cache.SignalFault).
+//
+// It never blocks.
+func (p *Prefetcher) Faulted(keys []cache.PageKey) {
+	if p.hot != nil && slices.ContainsFunc(keys, p.hot.OwnFault) {
+		keys = slices.DeleteFunc(slices.Clone(keys), p.hot.OwnFault)
+		if len(keys) == 0 {
+			return
+		}
+	}
 	p.mu.Lock()
-	confirm := p.c.faulted(keys)
+	confirm, late := p.c.faulted(keys)
 	p.mu.Unlock()
-	if len(confirm) == 0 {
-		return 0
+	if late > 0 {
+		p.st.PrefetchLate.Add(late)
 	}
-	p.omu.Lock()
-	for _, k := range confirm {
-		p.out = append(p.out, outcome{run: cache.Run{Table: k.Table, First: k.Page, N: 1}, confirm: true})
+	if len(confirm) > 0 {
+		p.omu.Lock()
+		for _, k := range confirm {
+			p.out = append(p.out, outcome{run: cache.Run{Table: k.Table, First: k.Page, N: 1}, confirm: true})
+		}
+		p.omu.Unlock()
+		p.signalPushers()
 	}
-	p.omu.Unlock()
-	p.signalPushers()
-	return len(confirm)
+	p.refaulted(keys)
+	if p.hot != nil {
+		p.hot.Admit(keys, cache.SignalFault)
+	}
 }
 
-// Refaulted tells the hint accounting that FUSE reads asked for keys: each
-// page a hint asked for since its last fault counts once as refaulted in its
-// layer. Lock-free; safe in a FUSE Read handler.
-func (p *Prefetcher) Refaulted(keys []cache.PageKey) {
+// refaulted counts, per layer, the pages of keys a hint asked for since
+// their last fault, once each. Lock-free: it runs in the Read handler.
+func (p *Prefetcher) refaulted(keys []cache.PageKey) {
 	for _, k := range keys {
 		if p.clearHinted(k) {
 			p.layerOf[k.Table].Refaulted.Add(1)

@@ -39,7 +39,8 @@ func TestFaultCancelsAndConfirms(t *testing.T) {
 	p.Submit(hints.Prefill, 0, []uint64{10, 20, 30}, b) // one page in flight, two queued
 	tb := m.Tables[0]
 	first, _ := tb.RowPages(30)
-	if late := p.ServedByFault([]cache.PageKey{{Table: tb.ID, Page: first}}); late != 1 {
+	p.Faulted([]cache.PageKey{{Table: tb.ID, Page: first}})
+	if late := st.PrefetchLate.Load(); late != 1 {
 		t.Fatalf("late %d, want 1", late)
 	}
 	close(br.release)
@@ -118,3 +119,131 @@ func TestRepeatedRowFrameCostsOneRow(t *testing.T) {
 }
 
 var _ = backing.DefaultTablePattern
+
+// heldReader holds every read until release is closed, and reports each
+// read on submitted as it is submitted.
+type heldReader struct {
+	submitted chan *backing.TableRead
+	release   chan struct{}
+}
+
+func (h heldReader) Submit(reads ...*backing.TableRead) {
+	for _, r := range reads {
+		h.submitted <- r
+		go func() {
+			<-h.release
+			r.Done(make([]byte, r.Len), nil)
+		}()
+	}
+}
+
+// gatedPusher holds every store until gate is closed, as the kernel holds a
+// NOTIFY_STORE of a page whose FUSE read has not been answered yet (the
+// read holds the page's lock).
+type gatedPusher struct {
+	countingPusher
+	gate chan struct{}
+}
+
+func (g *gatedPusher) Store(table uint32, off int64, data []byte) error {
+	<-g.gate
+	return g.countingPusher.Store(table, off, data)
+}
+
+// A fault that catches a prefetch in flight shares its read, and counts as
+// late exactly once, whoever sees it (the loader, which hands the fault the
+// prefetch's read, and the prefetcher both know): Faulted is the one writer
+// of prefetch_late.
+func TestFaultOnAPrefetchInFlightIsLateOnce(t *testing.T) {
+	m := testModel(t, 4000)
+	st := &stats.Counters{}
+	st.SetLayers(m.Layers)
+	hr := heldReader{submitted: make(chan *backing.TableRead, 16), release: make(chan struct{})}
+	loader := cache.NewLoader(hr, m.Tables, st)
+	pusher := &gatedPusher{gate: make(chan struct{})}
+	p := New(Config{InflightPages: 4, PrefillQueuePages: 1000}, m, loader, pusher, nil, st, nil)
+	var reply sync.Once
+	replied := func() { reply.Do(func() { close(pusher.gate) }) }
+	defer p.Close()
+	defer replied() // before Close, which waits for the pushers
+	tb := m.Tables[0]
+	first, _ := tb.RowPages(10)
+	b := NewBarrier()
+	p.Submit(hints.Decode, 0, []uint64{10}, b)
+	<-hr.submitted // the prefetch's read is in flight
+
+	// The fault: Fetch registers it with the read in flight before it
+	// returns (Load is Fetch, waited for).
+	faulted := make(chan error, 1)
+	loader.Fetch([]cache.Run{{Table: tb.ID, First: first, N: 1}}, cache.OriginFault, func(r cache.Run, pages [][]byte, err error) {
+		faulted <- err
+	})
+	select {
+	case r := <-hr.submitted:
+		t.Fatalf("the fault read [%d, +%d) again instead of sharing the prefetch's read", r.Off, r.Len)
+	default:
+	}
+	close(hr.release)
+	if err := <-faulted; err != nil {
+		t.Fatal(err)
+	}
+	keys := []cache.PageKey{{Table: tb.ID, Page: first}}
+	p.Faulted(keys) // the Read handler, before its reply
+	if late := st.PrefetchLate.Load(); late != 1 {
+		t.Fatalf("prefetch_late %d after one fault on a page in flight, want 1", late)
+	}
+	replied() // the reply: the push lands
+	if err := b.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	p.Faulted(keys) // evicted and faulted again: no prefetch pending now
+	if late := st.PrefetchLate.Load(); late != 1 {
+		t.Fatalf("prefetch_late %d after a fault with no prefetch pending, want still 1", late)
+	}
+	if got := st.Layer(0).Refaulted.Load(); got != 1 {
+		t.Fatalf("refaulted %d, want 1 (one hint, two faults)", got)
+	}
+}
+
+// ownFaultTier is a hot tier that is populating the pages in own.
+type ownFaultTier struct {
+	recordingTier
+	own map[cache.PageKey]bool
+}
+
+func (o *ownFaultTier) OwnFault(k cache.PageKey) bool { return o.own[k] }
+
+// The hot tier's own populate faults are no demand: not late, not
+// refaulted, not a fault hit; the reader's fault beside it is all three.
+func TestOwnPopulateFaultsAreNoDemand(t *testing.T) {
+	m := testModel(t, 4000)
+	st := &stats.Counters{}
+	st.SetLayers(m.Layers)
+	br := blockingReader{release: make(chan struct{})}
+	tier := &ownFaultTier{recordingTier: recordingTier{admitted: map[cache.PageKey]cache.Signal{}, pinned: map[cache.PageKey]bool{}}}
+	p := New(Config{InflightPages: 1, PrefillQueuePages: 1000}, m, cache.NewLoader(br, m.Tables, st), &confirmingPusher{}, tier, st, nil)
+	defer p.Close()
+	b := NewBarrier()
+	p.Submit(hints.Prefill, 0, []uint64{10, 20, 30}, b) // one page in flight, two queued
+	tb := m.Tables[0]
+	pg20, _ := tb.RowPages(20)
+	pg30, _ := tb.RowPages(30)
+	own, reader := cache.PageKey{Table: tb.ID, Page: pg20}, cache.PageKey{Table: tb.ID, Page: pg30}
+	tier.own = map[cache.PageKey]bool{own: true}
+
+	p.Faulted([]cache.PageKey{own})
+	if late, refaulted := st.PrefetchLate.Load(), st.Layer(0).Refaulted.Load(); late != 0 || refaulted != 0 || len(tier.admitted) != 0 {
+		t.Fatalf("own populate fault: late %d, refaulted %d, admitted %v; want none", late, refaulted, tier.admitted)
+	}
+	p.Faulted([]cache.PageKey{own, reader})
+	if late, refaulted := st.PrefetchLate.Load(), st.Layer(0).Refaulted.Load(); late != 1 || refaulted != 1 {
+		t.Fatalf("a reader's fault beside an own one: late %d, refaulted %d; want 1 and 1", late, refaulted)
+	}
+	if sig, ok := tier.admitted[reader]; !ok || sig != cache.SignalFault || len(tier.admitted) != 1 {
+		t.Fatalf("admitted %v, want only page %d as a fault hit", tier.admitted, pg30)
+	}
+	close(br.release)
+	if err := b.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+}

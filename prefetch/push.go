@@ -1,7 +1,6 @@
 package prefetch
 
 import (
-	"errors"
 	"slices"
 
 	"go.uber.org/zap"
@@ -134,9 +133,7 @@ func (p *Prefetcher) store(r cache.Run, data []byte) Outcome {
 	}
 	p.st.PrefetchStoreErrors.Add(r.N)
 	p.st.PrefetchPagesFailed.Add(r.N)
-	if !errors.Is(err, ErrNotLookedUp) {
-		p.log.Warn("page cache store failed", zap.Uint32("table", r.Table), zap.Int64("offset", off), zap.Error(err))
-	}
+	p.log.Warn("page cache store failed", zap.Uint32("table", r.Table), zap.Int64("offset", off), zap.Error(err))
 	return Failed
 }
 
@@ -157,7 +154,7 @@ func (p *Prefetcher) confirm(r cache.Run) Outcome {
 // once a barrier returns, the tier has heard of its pages (a warm restart
 // flushes the tier's pin queue right after its barrier and counts what is
 // pinned). Admit runs without p.mu: pinning faults through our own Read
-// handler, which takes p.mu (ServedByFault).
+// handler, which takes p.mu (Faulted).
 func (p *Prefetcher) settle(done []settled) {
 	var decodeKeys, prefillKeys []cache.PageKey
 	if p.hot != nil {

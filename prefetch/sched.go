@@ -401,15 +401,24 @@ func (c *core) settle(table uint32, first, n uint64, o Outcome) {
 // yet (the read's reply is still on its way to the kernel), so they do not
 // settle here: the caller confirms each returned page resident, then
 // settles it. Pages in flight are left alone: the loader hands the fault the
-// prefetch's own read.
-func (c *core) faulted(keys []cache.PageKey) (confirm []cache.PageKey) {
+// prefetch's own read. late counts the keys whose prefetch was queued or in
+// flight; a page a fault cancelled already is neither.
+func (c *core) faulted(keys []cache.PageKey) (confirm []cache.PageKey, late uint64) {
 	for _, k := range keys {
-		if s := c.pages[k]; s != nil && s.stage == stQueued {
+		s := c.pages[k]
+		if s == nil {
+			continue
+		}
+		switch s.stage {
+		case stQueued:
 			s.stage = stFaulted
 			confirm = append(confirm, k)
+			late++
+		case stInflight:
+			late++
 		}
 	}
-	return confirm
+	return confirm, late
 }
 
 // drain empties the queues at close: every queued page fails. Pages in

@@ -86,7 +86,7 @@ func TestCoreStaleRunNeverSettlesANewerState(t *testing.T) {
 	pre, dec := NewBarrier(), NewBarrier()
 	submit(c, pre, false, true, pageRun{0, 10, 4}) // pages 10-13 as prefill
 	k := cache.PageKey{Table: 0, Page: 11}
-	if confirm := c.faulted([]cache.PageKey{k}); len(confirm) != 1 {
+	if confirm, _ := c.faulted([]cache.PageKey{k}); len(confirm) != 1 {
 		t.Fatalf("faulted returned %v, want page 11 to confirm", confirm)
 	}
 	c.settle(0, 11, 1, Resident) // confirmed resident
@@ -226,9 +226,17 @@ func TestCoreFaultCancelsQueuedNotInflight(t *testing.T) {
 	b := NewBarrier()
 	seq := submit(c, b, false, true, pageRun{0, 0, 2})
 	c.next(1) // page 0 in flight
-	confirm := c.faulted([]cache.PageKey{{Table: 0, Page: 0}, {Table: 0, Page: 1}, {Table: 0, Page: 7}})
+	confirm, late := c.faulted([]cache.PageKey{{Table: 0, Page: 0}, {Table: 0, Page: 1}, {Table: 0, Page: 7}})
 	if len(confirm) != 1 || confirm[0].Page != 1 {
 		t.Fatalf("faulted returned %v, want only the queued page 1", confirm)
+	}
+	if late != 2 {
+		t.Fatalf("late %d, want 2 (page 0 in flight, page 1 queued; page 7 never hinted)", late)
+	}
+	// A second fault on the page the first one cancelled: its prefetch is
+	// neither queued nor in flight any more.
+	if confirm, late := c.faulted([]cache.PageKey{{Table: 0, Page: 1}}); len(confirm) != 0 || late != 0 {
+		t.Fatalf("second fault on a cancelled page: confirm %v, late %d; want neither", confirm, late)
 	}
 	if runs := c.next(10); len(runs) != 0 {
 		t.Fatalf("claimed %v after the fault cancelled the rest", runs)

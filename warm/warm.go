@@ -18,8 +18,10 @@ type Prefetcher interface {
 	SubmitPages(keys []cache.PageKey, sig cache.Signal, b *prefetch.Barrier)
 }
 
-// HotTier is what the warm-up needs of cache.HotCache.
-type HotTier interface {
+// Pins is what the warm-up needs of the hot tier (cache.HotCache): whether
+// a page is pinned, and a way to wait for the pins queued so far.
+// (prefetch.HotTier is the hot tier as the prefetcher sees it.)
+type Pins interface {
 	Pinned(k cache.PageKey) bool
 	Flush()
 }
@@ -36,7 +38,7 @@ type Config struct {
 	TableFiles []string        // every table file's path in the mount
 	BatchPages int             // 0: DefaultBatchPages
 	Prefetch   Prefetcher
-	Hot        HotTier
+	Hot        Pins
 	Stats      *stats.Counters
 	Log        *zap.Logger
 	// Done, if set, is called once the warm-up ends (not when stopped).

@@ -4,12 +4,11 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"runtime"
-	"slices"
-	"sync"
 	"syscall"
 	"time"
 
@@ -62,9 +61,9 @@ func (f *mountFlags) register(fl interface {
 		"how backing reads are issued: io_uring (many reads per system call, many completions per wake-up), pread (a pool of --queue-depth threads), or auto (io_uring where the kernel and sandbox allow it, else pread; the choice is logged and shown as read_engine in stats)")
 	fl.StringVar(&f.cacheSize, "cache-size", "1GiB",
 		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off")
-	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultConfig(1).PrefillQueuePages,
+	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultPrefillQueuePages,
 		"prefill pages queued at most; past it the oldest prefill hints are dropped (decode hints are never dropped)")
-	fl.IntVar(&f.decodeQueue, "decode-queue", prefetch.DefaultConfig(1).DecodeQueuePages,
+	fl.IntVar(&f.decodeQueue, "decode-queue", prefetch.DefaultDecodeQueuePages,
 		"decode pages one control handle may have queued; past it its next frame is refused with EAGAIN (min 256)")
 	fl.BoolVar(&f.allowOther, "allow-other", false,
 		"let users other than the daemon's read the mount (the control file stays owner-only)")
@@ -174,140 +173,122 @@ func watchMountpoint(mountpoint string) <-chan struct{} {
 	return out
 }
 
-// daemon is a running mount and everything it owns.
+// daemon is a running mount and everything it owns. Fields are nil until
+// startDaemon has built them; stop releases whatever is there.
 type daemon struct {
-	srv     *fs.Server
-	store   *backing.Store
 	engine  ioengine.Engine
-	pf      *prefetch.Prefetcher
-	files   *tableFiles // the daemon's own opens of the table files
-	hot     *cache.HotCache
-	st      *stats.Counters
+	source  backing.Source
 	model   *backing.Model
+	st      *stats.Counters
 	metrics *metrics.Server // nil: --metrics-addr off
+	store   *backing.Store
+	hot     *cache.HotCache
+	srv     *fs.Server
+	pf      *prefetch.Prefetcher
 	log     *zap.Logger
 
 	prefillQueue int             // --prefetch-queue
-	stateFile    string          // "": no warm restart
+	stateFile    string          // "": no warm restart (set once the mount serves)
 	warmKeys     []cache.PageKey // the saved hot set to fetch again
 	warm         *warm.Warmer    // nil: no warm-up started
 }
 
-func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (*daemon, error) {
+// startDaemon builds the daemon bottom up (shards, loader, hot tier, tree,
+// prefetcher), wires the tree to the prefetcher and mounts. The tree is
+// built before the mount exists, so nothing needs to be bound late. On
+// error everything built so far is released, and nothing is left mounted.
+func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_ *daemon, err error) {
 	if mf.queueDepth < 1 || mf.queueDepth > 4096 {
 		return nil, usagef("--queue-depth %d: want 1 to 4096", mf.queueDepth)
 	}
+	d := &daemon{log: log, prefillQueue: mf.prefillQueue}
+	defer func() {
+		if err != nil {
+			_ = d.stop(true)
+		}
+	}()
 	engine, why, err := ioengine.New(mf.readEngine, mf.queueDepth)
 	if err != nil {
 		return nil, usageError{fmt.Errorf("--read-engine %s: %w", mf.readEngine, err)}
 	}
+	d.engine = engine
 	st := &stats.Counters{}
 	st.ReadEngine = engine.Name()
+	d.st = st
 	source, err := openSource(modelDir, mf, engine, st)
 	if err != nil {
-		engine.Close()
-		return nil, err
+		return nil, err // (a nil *s3source.Source in a Source is not nil: keep it out of d)
 	}
-	model, err := backing.LoadSource(source, mf.tablePattern)
+	d.source = source
+	model, err := backing.LoadSource(d.source, mf.tablePattern)
 	if err != nil {
-		engine.Close()
 		return nil, err
 	}
+	d.model = model
 	if why != "" && !s3source.IsURL(modelDir) {
 		log.Warn("io_uring unavailable: reading shards with a pread worker pool", zap.String("reason", why))
 	}
 	st.SetLayers(model.Layers)
-	var reg *metrics.Server
 	if mf.metricsAddr != "" {
-		// The histograms' hook goes in before anything shares st.
+		// The histograms' hook goes in before anything shares st: the tree
+		// picks its timed nodes by it.
 		timings := metrics.NewTimings(model)
 		st.Timings = timings
 		r, err := metrics.Registry(st, timings)
 		if err != nil {
-			engine.Close()
 			return nil, err
 		}
-		if reg, err = metrics.Serve(mf.metricsAddr, r, log); err != nil {
-			engine.Close()
+		reg, err := metrics.Serve(mf.metricsAddr, r, log)
+		if err != nil {
 			return nil, usageError{fmt.Errorf("--metrics-addr %q: %w", mf.metricsAddr, err)}
 		}
+		d.metrics = reg
 		log.Info("serving metrics", zap.String("addr", "http://"+reg.Addr()+"/metrics"))
 	}
-	closeMetrics := func() {
-		if reg != nil {
-			_ = reg.Close()
-		}
-	}
-	store, err := backing.Open(model, source, st)
-	if err != nil {
-		engine.Close()
-		closeMetrics()
+	if d.store, err = backing.Open(model, d.source, st); err != nil {
 		return nil, err
 	}
-	closeStore := func() {
-		store.Close()
-		engine.Close()
-	}
-	var src backing.Reader = store
+	// Backing reads are timed as the store answers them: injected latency
+	// is not the disk's.
+	src := backing.Timed(d.store, st.Timings)
 	if mf.injectFaults != "" {
 		spec, err := backing.ParseFaultSpec(mf.injectFaults)
 		if err != nil {
-			closeStore()
-			closeMetrics()
 			return nil, usageError{err}
 		}
-		src = backing.NewFaultReader(store, spec, st)
+		src = backing.NewFaultReader(src, spec, st)
 		log.Warn("injecting backing faults (testing only)", zap.String("faults", spec.String()))
 	}
 	loader := cache.NewLoader(src, model.Tables, st)
-	hot, err := newHotCache(model, mountpoint, mf.cacheSize, st, log)
-	if err != nil {
-		closeStore()
-		closeMetrics()
+	if d.hot, err = newHotCache(model, mountpoint, mf.cacheSize, st, log); err != nil {
 		return nil, err
 	}
-	// The prefetcher needs the mount to push into, and the mount needs the
-	// prefetcher to take hints: the pusher is bound once the mount is live.
-	pusher := &latePusher{}
+	if d.srv, err = fs.New(fs.Options{
+		Model: model, Loader: loader, Stats: st, Log: log,
+		AllowOther: mf.allowOther, Debug: mf.debugFUSE,
+	}); err != nil {
+		return nil, err
+	}
 	pcfg := prefetch.DefaultConfig(mf.queueDepth)
 	pcfg.PrefillQueuePages = mf.prefillQueue
 	pcfg.DecodeQueuePages = mf.decodeQueue
-	pf := prefetch.New(pcfg, model, loader, pusher, hot, st, log)
-	srv, err := fs.Mount(mountpoint, fs.Options{
-		Model: model, Loader: loader, Stats: st, Log: log,
-		Faults: faultFanout{pf: pf, hot: hot, st: st}, Hints: pf,
-		AllowOther: mf.allowOther, Debug: mf.debugFUSE,
-	})
-	if err != nil {
-		pf.Close()
-		hot.Close()
-		closeStore()
-		closeMetrics()
+	d.pf = prefetch.New(pcfg, model, loader, d.srv, d.hot, st, log)
+	d.srv.Connect(d.pf, d.pf)
+	// Ready means a reader can use the tree: Serve checks it answers,
+	// through the kernel, before it returns (and so before the log, the
+	// service manager and the mount helper hear of it).
+	if err := d.srv.Serve(mountpoint); err != nil {
+		log.Error("mount failed", zap.Error(err))
 		return nil, err
 	}
-	pusher.bind(srv)
 	spareProcs(log)
-	d := &daemon{srv: srv, store: store, engine: engine, pf: pf, hot: hot, st: st, model: model, metrics: reg, log: log,
-		prefillQueue: mf.prefillQueue, stateFile: mf.stateFile}
-	// Ready means a reader can use the tree: check it answers, through the
-	// kernel, before saying so (to the log, the service manager and the
-	// mount helper).
-	if _, err := os.ReadFile(filepath.Join(mountpoint, fs.ManifestFile)); err != nil {
-		d.log.Error("the new mount does not answer", zap.Error(err))
-		_ = d.stop(true)
-		return nil, fmt.Errorf("mount %s: the new mount does not answer: %w", mountpoint, err)
-	}
-	if d.files, err = openTableFiles(srv, len(model.Tables)); err != nil {
-		_ = d.stop(true)
-		return nil, fmt.Errorf("mount %s: %w", mountpoint, err)
-	}
-	pusher.bindFiles(d.files)
 	if mf.stateFile != "" {
+		d.stateFile = mf.stateFile
 		d.warmKeys = loadWarmState(mf.stateFile, model, tierPages(st), log)
 	}
 	direct := 0
 	for _, sh := range model.Shards {
-		if store.Direct(sh) {
+		if d.store.Direct(sh) {
 			direct++
 		}
 	}
@@ -402,81 +383,64 @@ func (d *daemon) saveWarmState() {
 }
 
 // stop unmounts (unless the mount is already gone) and releases
-// everything, in the order the kernel needs.
+// everything the daemon holds, whatever startDaemon got to build, in the
+// order the kernel and the owners need:
+//
+//  1. the warm-up and the prefetcher stop: nothing is pushed any more, and
+//     no hint adds to the hot set, which is saved while it is still there;
+//  2. the hot tier unlocks and unmaps the daemon's own mappings of the
+//     table files: while they exist the mount is busy (design.md), and
+//     unmounting first would detach it lazily on every stop;
+//  3. the unmount (the server closes its own opens of the table files
+//     first, for the same reason);
+//  4. the shards, then the source (an object store's mirror writes the
+//     pages still queued), then the read engine that served them.
 func (d *daemon) stop(unmount bool) error {
-	// Stop pushing, then unlock and unmap the daemon's own mappings of the
-	// table files: while they exist the mount is busy. The hot set is saved
-	// in between: no hint adds to it any more, and it is still there.
 	if d.warm != nil {
 		d.warm.Stop()
 	}
-	d.pf.Close()
-	if d.files != nil {
-		d.files.close()
+	if d.pf != nil {
+		d.pf.Close()
 	}
 	if d.stateFile != "" {
 		d.saveWarmState()
 	}
-	if err := d.hot.Close(); err != nil {
-		d.log.Warn("closing the hot tier", zap.Error(err))
+	if d.hot != nil {
+		if err := d.hot.Close(); err != nil {
+			d.log.Warn("closing the hot tier", zap.Error(err))
+		}
 	}
 	var err error
-	if unmount {
-		err = d.srv.Unmount()
+	if d.srv != nil {
+		if unmount {
+			err = d.srv.Unmount()
+		} else {
+			d.srv.Close()
+		}
 	}
-	if cerr := d.store.Close(); cerr != nil {
-		d.log.Warn("closing shards", zap.Error(cerr))
+	if d.store != nil {
+		if cerr := d.store.Close(); cerr != nil {
+			d.log.Warn("closing shards", zap.Error(cerr))
+		}
 	}
-	_ = d.engine.Close()
+	if c, ok := d.source.(io.Closer); ok {
+		if cerr := c.Close(); cerr != nil {
+			d.log.Warn("closing the model source", zap.String("source", d.source.String()), zap.Error(cerr))
+		}
+	}
+	if d.engine != nil {
+		_ = d.engine.Close()
+	}
 	if d.metrics != nil {
 		_ = d.metrics.Close()
 	}
 	if err != nil {
 		return err
 	}
-	if unmount {
+	if unmount && d.srv != nil && d.srv.Mountpoint() != "" {
 		d.log.Info("unmounted", zap.String("mountpoint", d.srv.Mountpoint()))
 	}
 	return nil
-}
-
-// latePusher forwards stores to the mount once it exists.
-type latePusher struct {
-	mu    sync.RWMutex
-	srv   *fs.Server
-	files *tableFiles // tablefiles.go
-}
-
-func (p *latePusher) bind(s *fs.Server) { p.mu.Lock(); p.srv = s; p.mu.Unlock() }
-
-func (p *latePusher) Store(table uint32, off int64, data []byte) error {
-	p.mu.RLock()
-	srv := p.srv
-	p.mu.RUnlock()
-	if srv == nil {
-		return prefetch.ErrNotLookedUp
-	}
-	return srv.Store(table, off, data)
-}
-
-// faultFanout tells the prefetcher's late counter (and the hot tier) about
-// demand faults.
-type faultFanout struct {
-	pf  *prefetch.Prefetcher
-	hot *cache.HotCache
-	st  *stats.Counters
-}
-
-func (f faultFanout) Faulted(keys []cache.PageKey) {
-	// The pin worker's own populate faults are no demand: they must not
-	// count as late prefetches or refaults.
-	keys = slices.DeleteFunc(slices.Clone(keys), f.hot.OwnFault)
-	if len(keys) == 0 {
-		return
-	}
-	f.st.PrefetchLate.Add(uint64(f.pf.ServedByFault(keys)))
-	f.pf.Refaulted(keys)
-	f.hot.Admit(keys, cache.SignalFault)
 }
 
 // newHotCache builds the pinned hot tier over the daemon's own view of the

@@ -1,0 +1,371 @@
+// Package fs is the go-fuse side of engramfs: the nodes of the read-only
+// tree (table files, manifest, index, .engramfs/) and the mount itself.
+// Everything else (shard reads, caching, hints) lives in packages that know
+// nothing of FUSE.
+//
+// A Server lives in two phases. New builds the whole tree (go-fuse builds
+// nodes before anything is mounted), so the prefetcher can be given the
+// Server to push into before the mount exists; Connect then wires the
+// receivers of hints and faults, and Serve mounts. Nothing is pushed before
+// Serve: Store and Confirm answer ErrNotServing until the mount is up, and
+// again once it is closed.
+package fs
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	gofs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/cache"
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// ErrNotServing is what Store and Confirm return before Serve has the mount
+// up (and after Close): there is no page cache to push into yet.
+var ErrNotServing = errors.New("fs: not serving: the mount is not up")
+
+// Options configure a Server.
+type Options struct {
+	Model  *backing.Model
+	Loader *cache.Loader
+	// Stats are the counters; with Stats.Timings set, the nodes that time
+	// their work are built in their timed variants (timing.go).
+	Stats *stats.Counters
+	Log   *zap.Logger
+
+	// AllowOther lets users other than the daemon's read the mount. Off by
+	// default: the hint control file is owner-only either way.
+	AllowOther bool
+	// Debug logs every FUSE request (very verbose).
+	Debug bool
+
+	uid, gid uint32
+	hotLog   *zap.Logger
+	hints    HintSink  // set by Connect; nil: frames are decoded and dropped
+	faults   FaultSink // set by Connect; nil: nobody hears of faults
+}
+
+// Request sizing: see New.
+const (
+	maxWrite            = 256 << 10
+	maxInflightRequests = 256
+)
+
+// Timeouts for the kernel's entry and attribute caches. The tree never
+// changes while mounted, so the kernel may keep both as long as it likes.
+const cacheTimeout = 24 * time.Hour
+
+// Server is the tree of one model, and its mount once Serve has it up.
+type Server struct {
+	root  *root
+	rawFS fuse.RawFileSystem
+	opts  *gofs.Options
+	log   *zap.Logger
+
+	mu         sync.Mutex
+	srv        *fuse.Server // GUARDED_BY(mu); nil before Serve
+	mountpoint string       // GUARDED_BY(mu)
+
+	// live is non-nil while the mount is up and the daemon holds its table
+	// files open: what Store and Confirm need.
+	live atomic.Pointer[liveMount]
+}
+
+// liveMount is what a served mount holds: every table file of the mount,
+// opened by the daemon itself through the mount. Two reasons:
+//
+//   - NOTIFY_STORE answers ENOENT for an inode the kernel has not looked up
+//     (measured on a fresh mount: `engramfs hint MNT --decode 14 1 2 3 4 5`
+//     read 6 pages from disk and stored none). An open file keeps its
+//     dentry, and so the inode, known to the kernel for the mount's life:
+//     every push lands, whether or not a reader has opened the file yet.
+//   - A page whose prefetch a fault cancelled is confirmed resident by
+//     reading one byte of it through the page cache (Confirm).
+//
+// They are closed before unmounting: an open file keeps the mount busy.
+type liveMount struct {
+	files []*os.File // by table ID
+}
+
+// New builds the tree of o.Model. Nothing is mounted yet: Connect the
+// receivers of hints and faults, then Serve.
+func New(o Options) (*Server, error) {
+	if o.Model == nil || o.Loader == nil || o.Stats == nil {
+		return nil, errors.New("fs: Model, Loader and Stats are required")
+	}
+	if o.Log == nil {
+		o.Log = zap.NewNop()
+	}
+	o.uid, o.gid = uint32(os.Getuid()), uint32(os.Getgid())
+	// A failing shard can fail thousands of faults a second; log a few.
+	o.hotLog = o.Log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
+		return zapcore.NewSamplerWithOptions(c, time.Second, 5, 0)
+	}))
+
+	r := &root{o: &o, mtime: time.Now()}
+	r.roDir.attr = r.attr(syscall.S_IFDIR|0o755, 0)
+	timeout := cacheTimeout
+	opts := &gofs.Options{
+		EntryTimeout:    &timeout,
+		AttrTimeout:     &timeout,
+		NegativeTimeout: &timeout,
+		UID:             o.uid,
+		GID:             o.gid,
+		MountOptions: fuse.MountOptions{
+			FsName: o.Model.Dir,
+			Name:   "engramfs",
+			// 0 would mean the kernel default: every fault a 128 KiB READ.
+			// 1 gives one synchronous 4 KiB READ per fault, and concurrent
+			// faults all in flight (measured, design.md).
+			MaxReadAhead: 1,
+			// No fusermount on these nodes.
+			DirectMountStrict: true,
+			// Otherwise a size seen in GETATTR may drop the whole page cache
+			// of a file, pinned and pushed pages included.
+			ExplicitDataCacheControl: true,
+			MaxBackground:            128,
+			// Every request in flight holds a read buffer of MaxWrite: at
+			// 1 MiB, 100 concurrent faults cost 100 MiB. Random 4 KiB faults
+			// and hint frames (which may span writes) need nothing larger.
+			MaxWrite: maxWrite,
+			// go-fuse starts a reader goroutine per request while none is
+			// idle; on two busy cores those goroutines queued faster than
+			// they ran (seen: 57,480 runnable goroutines, a ~1 GB daemon,
+			// faults stalled). A request budget bounds them: past it, the
+			// kernel holds requests until one completes.
+			MaxInflightRequestBytes: maxInflightRequests * (maxWrite + 2*cache.PageSize),
+			// Our replies are bytes in memory, never a file descriptor, so
+			// go-fuse's splice path only adds a pipe write and a drain
+			// (three system calls) before falling back to writev: seen in
+			// perf on every fault.
+			DisableSplice: true,
+			AllowOther:    o.AllowOther,
+			Debug:         o.Debug,
+			DisableXAttrs: true,
+		},
+	}
+	// NewNodeFS builds the whole tree now (root.OnAdd).
+	rawFS := gofs.NewNodeFS(r, opts)
+	return &Server{root: r, rawFS: rawFS, opts: opts, log: o.Log}, nil
+}
+
+// Connect wires the receivers: control-file frames go to hints, and every
+// table file tells faults of the pages FUSE reads brought in. Either may be
+// nil. Call it before Serve: the nodes read them without a lock once the
+// kernel can reach them, so a later call panics.
+func (s *Server) Connect(hints HintSink, faults FaultSink) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.srv != nil {
+		panic("fs: Connect after Serve")
+	}
+	s.root.o.hints = hints
+	s.root.o.faults = faults
+	for _, tf := range s.root.tables {
+		tf.faults = faults
+	}
+}
+
+// Serve mounts the tree on mountpoint and returns once the mount answers
+// and the daemon holds every table file open (see liveMount); the kernel
+// is served in the background until Unmount. A mountpoint left dead by a
+// killed daemon (ENOTCONN) is detached first. On error nothing is left
+// mounted.
+func (s *Server) Serve(mountpoint string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.srv != nil {
+		return fmt.Errorf("mount %s: already serving %s", mountpoint, s.mountpoint)
+	}
+	if err := checkMountpoint(mountpoint, s.log); err != nil {
+		return err
+	}
+	srv, err := fuse.NewServer(s.rawFS, mountpoint, &s.opts.MountOptions)
+	if err != nil {
+		return fmt.Errorf("mount %s: %w", mountpoint, err)
+	}
+	go srv.Serve()
+	fail := func(err error) error {
+		if uerr := unmount(srv, mountpoint, s.log); uerr != nil {
+			s.log.Error("unmounting a mount that failed to start", zap.String("mountpoint", mountpoint), zap.Error(uerr))
+		}
+		return fmt.Errorf("mount %s: %w", mountpoint, err)
+	}
+	if err := srv.WaitMount(); err != nil {
+		return fail(err)
+	}
+	// Serving means a reader can use the tree: check it answers, through
+	// the kernel, before saying so.
+	if _, err := os.ReadFile(filepath.Join(mountpoint, ManifestFile)); err != nil {
+		return fail(fmt.Errorf("the new mount does not answer: %w", err))
+	}
+	live := &liveMount{}
+	for id := range s.root.tables {
+		f, err := os.Open(mountedPath(mountpoint, s.root.o.Model.Tables[id]))
+		if err != nil {
+			live.close()
+			return fail(fmt.Errorf("looking up the table files: %w", err))
+		}
+		live.files = append(live.files, f)
+	}
+	s.srv, s.mountpoint = srv, mountpoint
+	s.live.Store(live)
+	return nil
+}
+
+// close closes the daemon's own opens of the table files.
+func (l *liveMount) close() {
+	for _, f := range l.files {
+		_ = f.Close()
+	}
+}
+
+// checkMountpoint refuses what cannot be mounted on, with a message that
+// names the problem, and detaches a dead engramfs mount left by a killed
+// daemon (stat fails with ENOTCONN there).
+func checkMountpoint(mp string, log *zap.Logger) error {
+	// statfs always reaches the filesystem; stat may be answered from
+	// attributes the kernel cached before the daemon died.
+	var sfs unix.Statfs_t
+	err := unix.Statfs(mp, &sfs)
+	if errors.Is(err, syscall.ENOTCONN) {
+		if uerr := unix.Unmount(mp, unix.MNT_DETACH); uerr != nil {
+			return fmt.Errorf("mountpoint %s: dead mount (transport endpoint not connected) and lazy unmount failed: %w", mp, uerr)
+		}
+		log.Warn("detached a dead mount left by a previous daemon", zap.String("mountpoint", mp))
+	}
+	fi, err := os.Stat(mp)
+	if err != nil {
+		return fmt.Errorf("mountpoint: %w", err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("mountpoint %s: not a directory", mp)
+	}
+	return nil
+}
+
+// Mountpoint is where Serve mounted the tree ("" before Serve).
+func (s *Server) Mountpoint() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mountpoint
+}
+
+// Wait blocks until the mount is gone; it returns at once before Serve.
+func (s *Server) Wait() {
+	s.mu.Lock()
+	srv := s.srv
+	s.mu.Unlock()
+	if srv != nil {
+		srv.Wait()
+	}
+}
+
+// Close stops pushing and closes the daemon's own opens of the table files,
+// which keep the mount busy; the mount itself stays (Unmount). Store and
+// Confirm answer ErrNotServing from now on. Use it alone when the mount is
+// already gone or detached from outside.
+func (s *Server) Close() {
+	if live := s.live.Swap(nil); live != nil {
+		live.close()
+	}
+}
+
+// Unmount closes the daemon's own opens (Close), then unmounts; when a
+// reader still has a file open or mapped (EBUSY), it detaches the mount
+// lazily instead, so the daemon never leaves a mount behind. Readers of a
+// detached mount get errors once the daemon exits. Before Serve it does
+// nothing.
+func (s *Server) Unmount() error {
+	s.Close()
+	s.mu.Lock()
+	srv, mp := s.srv, s.mountpoint
+	s.mu.Unlock()
+	if srv == nil {
+		return nil
+	}
+	return unmount(srv, mp, s.log)
+}
+
+// unmount unmounts srv from mountpoint, lazily when it is busy.
+func unmount(srv *fuse.Server, mountpoint string, log *zap.Logger) error {
+	err := srv.Unmount()
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, syscall.EBUSY) {
+		return fmt.Errorf("unmount %s: %w", mountpoint, err)
+	}
+	if derr := unix.Unmount(mountpoint, unix.MNT_DETACH); derr != nil {
+		return fmt.Errorf("unmount %s: busy, and lazy unmount failed: %w", mountpoint, derr)
+	}
+	log.Warn("mount busy (a reader still maps a file): detached it lazily", zap.String("mountpoint", mountpoint))
+	return nil
+}
+
+// TablePath is where table id lives in the mount ("" before Serve).
+func (s *Server) TablePath(id uint32) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.srv == nil {
+		return ""
+	}
+	return mountedPath(s.mountpoint, s.root.o.Model.Tables[id])
+}
+
+// mountedPath is where t's file is under mountpoint.
+func mountedPath(mountpoint string, t *backing.Table) string {
+	return filepath.Join(mountpoint, t.Path())
+}
+
+// Store pushes data into the page cache of table id at off (NOTIFY_STORE).
+// It implements prefetch.Pusher; never call it from a Read handler (the
+// folio being read is locked: the store would wait forever). Before Serve,
+// and after Close, it returns ErrNotServing.
+func (s *Server) Store(id uint32, off int64, data []byte) error {
+	if s.live.Load() == nil {
+		return ErrNotServing
+	}
+	if int(id) >= len(s.root.tables) {
+		return fmt.Errorf("table %d: no such table", id)
+	}
+	if errno := s.root.tables[id].EmbeddedInode().WriteCache(off, data); errno != 0 {
+		// ENOENT would mean the kernel forgot the inode, which the open
+		// table files prevent.
+		return fmt.Errorf("table %d: page cache store at %d: %w", id, off, errno)
+	}
+	return nil
+}
+
+// Confirm reads one byte at off of table id through the page cache: when
+// it returns, the page is resident (a read the kernel still has in flight
+// for it is waited for, an evicted page is faulted in again). It implements
+// prefetch.Confirmer; only from the prefetcher's pushers, never from a FUSE
+// Read handler. Before Serve, and after Close, it returns ErrNotServing.
+func (s *Server) Confirm(id uint32, off int64) error {
+	live := s.live.Load()
+	if live == nil {
+		return ErrNotServing
+	}
+	if int(id) >= len(live.files) {
+		return fmt.Errorf("table %d: no such table", id)
+	}
+	var b [1]byte
+	if _, err := live.files[id].ReadAt(b[:], off); err != nil && !errors.Is(err, io.EOF) {
+		return fmt.Errorf("table %d: confirming the page at %d: %w", id, off, err)
+	}
+	return nil
+}
