@@ -102,23 +102,23 @@ every column and target.`)
 	}
 	var err error
 	if cfg.Geometries, err = parseGeometries(*geometries, *layers, cfg.Geometries, *rows, *flashRows); err != nil {
-		return usageError{err}
+		return usageError{Err: err}
 	}
 	if *pathList != "" {
 		cfg.Paths = nil
 		for _, s := range strings.Split(*pathList, ",") {
 			p, err := bench.ParsePath(strings.TrimSpace(s))
 			if err != nil {
-				return usageError{err}
+				return usageError{Err: err}
 			}
 			cfg.Paths = append(cfg.Paths, p)
 		}
 	}
 	if cfg.Drop, err = bench.ParseDropMode(*drop); err != nil {
-		return usageError{err}
+		return usageError{Err: err}
 	}
 	if cfg.ReadEngine, err = bench.ParseReadEngine(cfg.ReadEngine); err != nil {
-		return usageError{fmt.Errorf("--read-engine: %w", err)}
+		return usageError{Err: fmt.Errorf("--read-engine: %w", err)}
 	}
 	if cfg.Binary, err = findEngramfs(*engramfs); err != nil {
 		return err

@@ -17,7 +17,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
+
+	"github.com/engramfs/engramfs/internal/cli"
 )
 
 func main() {
@@ -71,22 +72,13 @@ func usage(w io.Writer) {
 	fmt.Fprint(w, "\nWith no command: bench. Run 'engramfs-bench <command> --help' for its flags.\n")
 }
 
-// usageError is a mistake in the command line (exit status 2).
-type usageError struct{ error }
+// The command-line helpers both binaries share (internal/cli).
+type usageError = cli.UsageError
 
-func usagef(format string, a ...any) error { return usageError{fmt.Errorf(format, a...)} }
-
-// newFlagSet makes a flag set whose --help prints the command's synopsis,
-// description and flags, under the name the docs give it (engramfs NAME).
-func newFlagSet(name, synopsis, description string) *flag.FlagSet {
-	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	fs.Usage = func() {
-		w := fs.Output()
-		fmt.Fprintf(w, "Usage: engramfs %s %s\n\n%s\n\nFlags:\n", name, synopsis, strings.TrimSpace(description))
-		fs.PrintDefaults()
-	}
-	return fs
-}
+var (
+	usagef     = cli.Usagef
+	newFlagSet = cli.NewFlagSet
+)
 
 // engramfsFlag registers --engramfs, the daemon binary to measure.
 func engramfsFlag(fs *flag.FlagSet) *string {

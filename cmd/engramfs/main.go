@@ -9,10 +9,11 @@ import (
 	"io"
 	"os"
 	"sort"
-	"strings"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/engramfs/engramfs/internal/cli"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -83,27 +84,13 @@ Commands:
 	fmt.Fprint(w, "\nRun 'engramfs <command> --help' for the flags of a command.\n")
 }
 
-// usageError is a mistake in the command line (exit status 2).
-type usageError struct{ error }
+// The command-line helpers both binaries share (internal/cli).
+type usageError = cli.UsageError
 
-func usagef(format string, a ...any) error { return usageError{fmt.Errorf(format, a...)} }
-
-// newFlagSet makes a flag set whose --help prints the command's synopsis,
-// description and flags.
-func newFlagSet(name, synopsis, description string) *flag.FlagSet {
-	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	fs.Usage = func() {
-		w := fs.Output()
-		fmt.Fprintf(w, "Usage: engramfs %s %s\n\n%s\n", name, synopsis, strings.TrimSpace(description))
-		hasFlags := false
-		fs.VisitAll(func(*flag.Flag) { hasFlags = true })
-		if hasFlags {
-			fmt.Fprint(w, "\nFlags:\n")
-			fs.PrintDefaults()
-		}
-	}
-	return fs
-}
+var (
+	usagef     = cli.Usagef
+	newFlagSet = cli.NewFlagSet
+)
 
 // logFlags are the logging flags every long-running command takes.
 type logFlags struct {

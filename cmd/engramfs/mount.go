@@ -209,7 +209,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	}()
 	engine, why, err := ioengine.New(mf.readEngine, mf.queueDepth)
 	if err != nil {
-		return nil, usageError{fmt.Errorf("--read-engine %s: %w", mf.readEngine, err)}
+		return nil, usageError{Err: fmt.Errorf("--read-engine %s: %w", mf.readEngine, err)}
 	}
 	d.engine = engine
 	st := &stats.Counters{}
@@ -240,7 +240,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		}
 		reg, err := metrics.Serve(mf.metricsAddr, r, log)
 		if err != nil {
-			return nil, usageError{fmt.Errorf("--metrics-addr %q: %w", mf.metricsAddr, err)}
+			return nil, usageError{Err: fmt.Errorf("--metrics-addr %q: %w", mf.metricsAddr, err)}
 		}
 		d.metrics = reg
 		log.Info("serving metrics", zap.String("addr", "http://"+reg.Addr()+"/metrics"))
@@ -254,7 +254,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	if mf.injectFaults != "" {
 		spec, err := backing.ParseFaultSpec(mf.injectFaults)
 		if err != nil {
-			return nil, usageError{err}
+			return nil, usageError{Err: err}
 		}
 		src = backing.NewFaultReader(src, spec, st)
 		log.Warn("injecting backing faults (testing only)", zap.String("faults", spec.String()))

@@ -93,7 +93,7 @@ func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Cou
 		}
 		mode, err := backing.ParseIOMode(mf.backingIO)
 		if err != nil {
-			return nil, usageError{err}
+			return nil, usageError{Err: err}
 		}
 		fi, err := os.Stat(arg)
 		if err != nil {
@@ -105,7 +105,7 @@ func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Cou
 		return backing.NewLocalSource(arg, mode, engine, st), nil
 	}
 	if _, _, err := s3source.ParseURL(arg); err != nil {
-		return nil, usageError{err}
+		return nil, usageError{Err: err}
 	}
 	cfg := s3source.DefaultConfig()
 	cfg.Concurrency = mf.queueDepth
