@@ -25,8 +25,8 @@ type Geometry struct {
 	ScaleRow  int64  `json:"scale_row"`  // bytes per scale row
 }
 
-// The two geometries of design.md: rows of a page, and rows much smaller
-// than a page (16 weight rows and 512 scale rows per page).
+// The two geometries of docs/design.md ("The problem"): rows of a page,
+// and rows much smaller than a page (16 weight rows and 512 scale rows per page).
 const (
 	GeometryBig   = "big"   // 4096-byte weight rows, 128-byte scale rows
 	GeometryFlash = "flash" // 256-byte weight rows, 8-byte scale rows

@@ -11,7 +11,8 @@ import (
 
 // Zipf draws ranks 1..n with P(k) ∝ k^-s for any s > 0, by rejection-inversion
 // (Hörmann and Derflinger 1996, as in Apache Commons RNG). math/rand/v2's Zipf
-// needs s > 1; decode lookups are s ≈ 0.8-1.0 (design.md), so we need our own.
+// needs s > 1; decode lookups are s ≈ 0.8-1.0 (docs/design.md, "The hot
+// tier"), so we need our own.
 // It costs O(1) memory and time per draw whatever n is, unlike an inverse-CDF
 // table, which would be 128 MiB for a 16M-row table.
 type Zipf struct {
@@ -161,7 +162,7 @@ type PrefillSpec struct {
 
 // DefaultPrefill is 8192-token chunks, 2- and 3-grams, two heads each: 4
 // lookups a token, 20-30K unique rows per layer per chunk on a large
-// table, inside design.md's 10K-40K.
+// table, inside the 10K-40K of docs/design.md ("The problem").
 func DefaultPrefill(chunks int) PrefillSpec {
 	return PrefillSpec{Chunks: chunks, ChunkTokens: 8192, Orders: []int{2, 3}, Heads: 2, Vocab: 129280, TokenS: 1.0}
 }

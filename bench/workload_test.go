@@ -39,8 +39,9 @@ func TestZipfShape(t *testing.T) {
 	}
 }
 
-// TestZipfHeadShare checks the property design.md states for decode: with
-// s = 0.9 over a million rows, the top 1% of rows take over half the lookups.
+// TestZipfHeadShare checks that the decode workload is Zipf-popular as
+// docs/design.md ("The problem") describes decode rows: with s = 0.9 over a
+// million rows, the top 1% of rows take over half the lookups.
 func TestZipfHeadShare(t *testing.T) {
 	const n, draws = 1 << 20, 200_000
 	z := NewZipf(rand.New(rand.NewPCG(3, 4)), 0.9, n)
@@ -113,7 +114,8 @@ func TestDecodeWorkload(t *testing.T) {
 }
 
 // TestPrefillChunkRows checks chunk -> unique rows: sorted, deduplicated, in
-// range, and 10K-40K per layer for an 8192-token chunk (design.md).
+// range, and 10K-40K per layer for an 8192-token chunk (docs/design.md,
+// "The problem").
 func TestPrefillChunkRows(t *testing.T) {
 	rows := []uint64{1 << 20, 16 << 20}
 	chunks := PrefillWorkload(1, rows, DefaultPrefill(3))

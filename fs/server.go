@@ -129,7 +129,8 @@ func New(o Options) (*Server, error) {
 			Name:   "engramfs",
 			// 0 would mean the kernel default: every fault a 128 KiB READ.
 			// 1 gives one synchronous 4 KiB READ per fault, and concurrent
-			// faults all in flight (measured, design.md).
+			// faults all in flight (measured: docs/design.md, "Kernel
+			// facts and what the code does about them").
 			MaxReadAhead: 1,
 			// No fusermount on these nodes.
 			DirectMountStrict: true,

@@ -190,7 +190,8 @@ func TestTreeManifest(t *testing.T) {
 		t.Fatalf("manifest.json: size %d, read %d bytes", a.Size, len(raw))
 	}
 	// Parsed with its own field names, not with Manifest: the JSON names are
-	// the contract (design.md), and a renamed tag must fail here.
+	// the contract (docs/design.md, "The tree"), and a renamed tag must fail
+	// here.
 	var man struct {
 		Version  int    `json:"version"`
 		PageSize int    `json:"page_size"`

@@ -27,7 +27,8 @@ import (
 // Pusher stores data into the page cache of table's file at byte offset off.
 // off is page-aligned and data is whole pages, except that the last page of
 // the file may be short. Store must not be called from a FUSE Read handler
-// (design.md: the folio being read is locked, the store would wait forever);
+// (docs/design.md, "Kernel facts and what the code does about them": the
+// folio being read is locked, the store would wait forever);
 // the prefetcher only calls it from its own pusher goroutines. A store that
 // fails (fs.ErrNotServing before the mount is up) settles its pages as
 // failed.

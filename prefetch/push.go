@@ -13,7 +13,8 @@ import (
 // trip per page), confirm the pages a fault cancelled, and settle them all.
 // They hold no lock while storing: a store waits for the folio lock of a
 // page a FUSE read is serving, and that read must be able to finish
-// (design.md, DEADLOCK).
+// (docs/design.md, "Kernel facts and what the code does about them": storing
+// the page a Read handler is serving hangs forever).
 
 // outcome is one answer for the pushers.
 type outcome struct {

@@ -77,7 +77,7 @@ func TestCoreDecodeFirstAndRoundRobin(t *testing.T) {
 	}
 }
 
-// The lost-decode race of issue 11: a page's state is deleted when fetched
+// A race that once lost a decode hint: a page's state is deleted when fetched
 // (here: faulted and confirmed) and re-created by a new decode hint while an
 // older prefill run for it is still queued. Dropping that stale run must not
 // settle the new state, and claiming must still find it.

@@ -15,8 +15,10 @@ import (
 	"github.com/engramfs/engramfs/hints/client"
 )
 
-// The targets of issue 11, measured against a real mount. Ratios, not
-// times: run them alone, e.g.
+// The hint path's targets, measured against a real mount: a decode step
+// beside a blocked prefill barrier or a prefill flood stays within a small
+// ratio of the same step alone, and partial frames do not grow the daemon's
+// RSS. Ratios, not times: run them alone, e.g.
 //
 //	ENGRAMFS_REQUIRE_FUSE=1 go test -run '^$' -bench 'Hints' -benchtime 1x ./tests/
 

@@ -389,7 +389,8 @@ func (d *daemon) saveWarmState() {
 //  1. the warm-up and the prefetcher stop: nothing is pushed any more, and
 //     no hint adds to the hot set, which is saved while it is still there;
 //  2. the hot tier unlocks and unmaps the daemon's own mappings of the
-//     table files: while they exist the mount is busy (design.md), and
+//     table files: while they exist the mount is busy (docs/design.md,
+//     "Kernel facts and what the code does about them": unmounting), and
 //     unmounting first would detach it lazily on every stop;
 //  3. the unmount (the server closes its own opens of the table files
 //     first, for the same reason);

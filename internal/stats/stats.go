@@ -1,7 +1,8 @@
 // Package stats holds every counter engramfs exposes, in one place.
 //
-// The JSON names below are the contract of `.engramfs/stats` (design.md); later
-// features add fields, they never rename one. Counters are atomics so the hot
+// The JSON names below are the contract of `.engramfs/stats` (docs/design.md,
+// "Stats"); later features add fields, they never rename one. What each
+// field means is described once, in Fields (fields.go). Counters are atomics so the hot
 // paths (a FUSE read, a backing read) pay one uncontended add and no lock.
 package stats
 
