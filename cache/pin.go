@@ -65,8 +65,12 @@ type TableFile struct {
 //     pages. A page evicted between the two calls is still read under the
 //     lock: rare (it was cached a moment ago), not excluded. Call Pin only
 //     from a goroutine that no Read handler waits for.
-//   - VmLck counts the whole locked mapping; what is really pinned is
-//     "Locked" in /proc/self/smaps_rollup (lockedBytes).
+//   - VmLck counts the whole locked mapping, and smaps "Locked" is the
+//     locked pages' proportional share (divided among the processes that
+//     map them: 40 MiB shown while 356 MiB were pinned). The pinner's own
+//     count (PinnedPages, the bitmap) is what is pinned; lockedBytes is only
+//     a lower bound of what this process already holds against
+//     RLIMIT_MEMLOCK.
 //   - A mapping of a file on the mount keeps the mount busy: Close before
 //     unmounting.
 //
@@ -586,8 +590,9 @@ func hasCapIPCLock() bool {
 	return data[unix.CAP_IPC_LOCK/32].Effective&(1<<(unix.CAP_IPC_LOCK%32)) != 0
 }
 
-// lockedBytes is the memory this process has locked and resident: "Locked"
-// of /proc/self/smaps_rollup (VmLck counts whole MLOCK_ONFAULT mappings).
+// lockedBytes is "Locked" of /proc/self/smaps_rollup: the proportional share
+// of this process's locked resident pages (VmLck counts whole MLOCK_ONFAULT
+// mappings).
 func lockedBytes() (uint64, bool) {
 	return procKB("/proc/self/smaps_rollup", "Locked:")
 }

@@ -2,7 +2,6 @@ package warm
 
 import (
 	"context"
-	"os"
 	"sync/atomic"
 	"time"
 
@@ -27,15 +26,14 @@ type Pins interface {
 }
 
 // DefaultBatchPages is how many pages the warm-up has queued at once: well
-// under the hot tier's pin queue (16,384 pages), whose overflow would be
-// dropped, and a small part of the default prefill queue (262,144 pages), so
+// under the hot tier's pin queue (at least 131,072 pages), whose overflow
+// would be dropped, and a small part of the default prefill queue (262,144 pages), so
 // live prefill hints keep their room.
 const DefaultBatchPages = 4096
 
 // Config is one warm-up.
 type Config struct {
 	Keys       []cache.PageKey // the pages to make hot again
-	TableFiles []string        // every table file's path in the mount
 	BatchPages int             // 0: DefaultBatchPages
 	Prefetch   Prefetcher
 	Hot        Pins
@@ -82,20 +80,6 @@ func Start(c Config) *Warmer {
 func (w *Warmer) run(ctx context.Context, c Config) {
 	defer close(w.done)
 	start := time.Now()
-	// NOTIFY_STORE fails with ENOENT until the kernel has looked a file up,
-	// and a freshly mounted tree has seen no lookup: pushes would be skipped
-	// and every page read twice (once pushed in vain, once when the tier
-	// pins it through FUSE). Holding the files open also keeps their inodes
-	// known while the warm-up runs. Never from a Read handler: this is the
-	// warm-up's own goroutine.
-	for _, p := range c.TableFiles {
-		f, err := os.Open(p)
-		if err != nil {
-			c.Log.Warn("warm restart: cannot open a table file; its pages will be read twice", zap.String("file", p), zap.Error(err))
-			continue
-		}
-		defer f.Close()
-	}
 	for i := 0; i < len(w.keys); {
 		j := min(i+c.BatchPages, len(w.keys))
 		b := prefetch.NewBarrier()

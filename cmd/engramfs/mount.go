@@ -320,12 +320,8 @@ func (d *daemon) startWarmUp() {
 	if len(d.warmKeys) == 0 {
 		return
 	}
-	files := make([]string, len(d.model.Tables))
-	for i := range d.model.Tables {
-		files[i] = d.srv.TablePath(uint32(i))
-	}
 	d.warm = warm.Start(warm.Config{
-		Keys: d.warmKeys, TableFiles: files, Prefetch: d.pf, Hot: d.hot, Stats: d.st, Log: d.log,
+		Keys: d.warmKeys, Prefetch: d.pf, Hot: d.hot, Stats: d.st, Log: d.log,
 		BatchPages: min(warm.DefaultBatchPages, d.prefillQueue/2),
 		Done: func(r warm.Result) {
 			d.notify(fmt.Sprintf("STATUS=%s; warm: %d of %d saved pages pinned in %.1fs",
