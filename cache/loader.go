@@ -23,8 +23,8 @@ const NegativeTTL = time.Second
 // maxNegative bounds the pages remembered as failed.
 const maxNegative = 1 << 16
 
-// Origin says who asked for a page: a fault's reads are demand reads
-// (sources with lanes serve them first). Whether a fault caught a prefetch (prefetch_late) is
+// Origin says who asked for a page: the reads of a fault and of a decode hint
+// are demand reads (sources with lanes serve them first, and hedge them). Whether a fault caught a prefetch (prefetch_late) is
 // the prefetcher's to count (prefetch.Prefetcher.Faulted), not the
 // loader's.
 type Origin uint8
@@ -32,8 +32,12 @@ type Origin uint8
 const (
 	// OriginFault is a FUSE read: a reader is blocked on the page.
 	OriginFault Origin = iota
-	// OriginPrefetch is hint-driven work.
+	// OriginPrefetch is prefill hint work (and the warm-up): due by a
+	// deadline, not awaited by a reader yet.
 	OriginPrefetch
+	// OriginDecode is a decode hint's work: the step's gather follows its
+	// barrier at once, so a reader is as good as blocked on it.
+	OriginDecode
 )
 
 // Run is file pages [First, First+N) of table Table.
@@ -154,7 +158,7 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 	}
 	var failed []failure
 	now := l.now()
-	demand := origin == OriginFault
+	demand := origin == OriginFault || origin == OriginDecode
 	for _, r := range runs {
 		t := l.Table(r.Table)
 		if t == nil || r.N == 0 || r.First < t.DataPage() || r.First+r.N > t.Pages() || r.First+r.N < r.First {

@@ -28,15 +28,23 @@ func (p *Prefetcher) fetchLoop() {
 		}
 		for {
 			p.mu.Lock()
-			var runs []cache.Run
+			var decode, prefill []cache.Run
 			if !p.closed {
-				runs = p.c.next(p.cfg.InflightPages - p.c.inflight)
+				decode, prefill = p.c.next(p.cfg.InflightPages - p.c.inflight)
 			}
 			p.mu.Unlock()
-			if len(runs) == 0 {
+			if len(decode)+len(prefill) == 0 {
 				break
 			}
-			p.loader.Fetch(runs, cache.OriginPrefetch, p.fetched)
+			// A decode hint's reads are demand reads (an object store
+			// serves and hedges them as it does a fault's); prefill's
+			// wait their turn.
+			if len(decode) > 0 {
+				p.loader.Fetch(decode, cache.OriginDecode, p.fetched)
+			}
+			if len(prefill) > 0 {
+				p.loader.Fetch(prefill, cache.OriginPrefetch, p.fetched)
+			}
 		}
 	}
 }

@@ -247,3 +247,58 @@ func TestOwnPopulateFaultsAreNoDemand(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// demandReader answers every read with zeros and records, per data offset,
+// whether the read was a demand read.
+type demandReader struct {
+	mu     sync.Mutex
+	demand map[int64]bool
+}
+
+func (d *demandReader) Submit(reads ...*backing.TableRead) {
+	d.mu.Lock()
+	for _, r := range reads {
+		for off := r.Off; off < r.Off+int64(r.Len); off += cache.PageSize {
+			d.demand[off/cache.PageSize*cache.PageSize] = r.Demand
+		}
+	}
+	d.mu.Unlock()
+	for _, r := range reads {
+		r.Done(make([]byte, r.Len), nil)
+	}
+}
+
+// A decode hint's pages are read as demand reads (an object store's demand
+// lane, hedged), a prefill hint's are not.
+func TestDecodeHintsAreDemandReads(t *testing.T) {
+	m := testModel(t, 4000)
+	st := &stats.Counters{}
+	st.SetLayers(m.Layers)
+	dr := &demandReader{demand: map[int64]bool{}}
+	p := New(Config{InflightPages: 64, PrefillQueuePages: 1000, DecodeQueuePages: 1000}, m, cache.NewLoader(dr, m.Tables, st), &countingPusher{}, nil, st, nil)
+	defer p.Close()
+	dec, pre := NewBarrier(), NewBarrier()
+	p.Submit(hints.Prefill, 0, []uint64{100}, pre)
+	p.Submit(hints.Decode, 0, []uint64{2000}, dec)
+	for _, b := range []*Barrier{pre, dec} {
+		if err := b.Wait(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tb := m.Tables[0]
+	check := func(row uint64, want bool) {
+		t.Helper()
+		first, last := tb.RowPages(row)
+		for pg := first; pg <= last; pg++ {
+			off := int64(pg-tb.DataPage()) * cache.PageSize
+			d, ok := dr.demand[off]
+			if !ok || d != want {
+				t.Errorf("row %d page %d: read %v, demand %v; want a read, demand %v", row, pg, ok, d, want)
+			}
+		}
+	}
+	dr.mu.Lock()
+	defer dr.mu.Unlock()
+	check(100, false)
+	check(2000, true)
+}

@@ -313,8 +313,9 @@ func (c *core) dropOldest() {
 
 // next claims up to budget pages of work: decode runs first, one run per
 // handle per turn, then prefill runs oldest first. The claimed pages are in
-// flight from now on; the caller hands the returned runs to the loader.
-func (c *core) next(budget int) []cache.Run {
+// flight from now on; the caller hands the returned runs to the loader,
+// decode runs as demand reads.
+func (c *core) next(budget int) (decode, prefill []cache.Run) {
 	var out []cache.Run
 	for budget > 0 && len(c.ring) > 0 {
 		if c.rr >= len(c.ring) {
@@ -330,11 +331,13 @@ func (c *core) next(budget int) []cache.Run {
 			c.rr++
 		}
 	}
+	decode = out
+	out = nil
 	for budget > 0 && c.prefill.len() > 0 {
 		r, _ := c.prefill.pop()
 		out, budget = c.claim(out, &c.prefill, r, budget)
 	}
-	return out
+	return decode, out
 }
 
 // claim claims the pages of r still queued for it, up to budget; what the

@@ -26,7 +26,7 @@ func settledThrough(b *Barrier, seq uint64) bool { return b.settledThrough(seq) 
 func fetchAll(c *core, o Outcome) []cache.Run {
 	var all []cache.Run
 	for {
-		runs := c.next(1 << 30)
+		runs := nextAll(c, 1<<30)
 		if len(runs) == 0 {
 			return all
 		}
@@ -36,6 +36,12 @@ func fetchAll(c *core, o Outcome) []cache.Run {
 		}
 		all = append(all, runs...)
 	}
+}
+
+// nextAll is next's claim, decode runs then prefill runs.
+func nextAll(c *core, budget int) []cache.Run {
+	decode, prefill := c.next(budget)
+	return append(decode, prefill...)
 }
 
 func pages(runs []cache.Run) map[cache.PageKey]int {
@@ -55,7 +61,7 @@ func TestCoreDecodeFirstAndRoundRobin(t *testing.T) {
 	submit(c, a, true, true, pageRun{0, 1, 1}) // a sends two decode frames
 	submit(c, a, true, true, pageRun{0, 3, 1})
 	submit(c, b, true, true, pageRun{0, 5, 1})
-	got := c.next(3)
+	got := nextAll(c, 3)
 	want := []cache.Run{{Table: 0, First: 1, N: 1}, {Table: 0, First: 5, N: 1}, {Table: 0, First: 3, N: 1}}
 	if len(got) != len(want) {
 		t.Fatalf("first claim %v, want %v", got, want)
@@ -69,11 +75,26 @@ func TestCoreDecodeFirstAndRoundRobin(t *testing.T) {
 		t.Fatalf("inflight %d, want 3", c.inflight)
 	}
 	// The budget splits the prefill run; the rest stays at the front.
-	if got := c.next(10); len(got) != 1 || got[0] != (cache.Run{Table: 0, First: 100, N: 10}) {
+	if got := nextAll(c, 10); len(got) != 1 || got[0] != (cache.Run{Table: 0, First: 100, N: 10}) {
 		t.Fatalf("prefill claim %v, want pages 100-109", got)
 	}
-	if got := c.next(100); len(got) != 1 || got[0] != (cache.Run{Table: 0, First: 110, N: 40}) {
+	if got := nextAll(c, 100); len(got) != 1 || got[0] != (cache.Run{Table: 0, First: 110, N: 40}) {
 		t.Fatalf("prefill claim %v, want pages 110-149", got)
+	}
+}
+
+// next tells decode runs (demand reads for the loader) from prefill runs.
+func TestCoreNextSeparatesDecodeFromPrefill(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 1000})
+	pre, a := NewBarrier(), NewBarrier()
+	submit(c, pre, false, true, pageRun{0, 100, 4})
+	submit(c, a, true, true, pageRun{0, 1, 2})
+	decode, prefill := c.next(100)
+	if len(decode) != 1 || decode[0] != (cache.Run{Table: 0, First: 1, N: 2}) {
+		t.Errorf("decode runs %v, want pages 1-2", decode)
+	}
+	if len(prefill) != 1 || prefill[0] != (cache.Run{Table: 0, First: 100, N: 4}) {
+		t.Errorf("prefill runs %v, want pages 100-103", prefill)
 	}
 }
 
@@ -114,7 +135,7 @@ func TestCoreStaleRunNeverClaimsANewerState(t *testing.T) {
 	submit(c, pre, false, true, pageRun{0, 10, 1})
 	// Claimed through a decode run and settled while the prefill run waits.
 	submit(c, dec, true, true, pageRun{0, 10, 1})
-	if runs := c.next(1); len(runs) != 1 {
+	if runs := nextAll(c, 1); len(runs) != 1 {
 		t.Fatalf("claim %v", runs)
 	}
 	c.answered(1)
@@ -134,7 +155,7 @@ func TestCoreBarrierWaitsForExactlyItsSubmissions(t *testing.T) {
 	c := newCore(coreConfig{prefillPages: 100})
 	b := NewBarrier()
 	s1 := submit(c, b, true, true, pageRun{0, 1, 1})
-	first := c.next(1) // page 1 in flight
+	first := nextAll(c, 1) // page 1 in flight
 	s2 := submit(c, b, true, true, pageRun{0, 2, 1})
 	if settledThrough(b, s1) {
 		t.Fatal("settled before its page")
@@ -225,7 +246,7 @@ func TestCoreFaultCancelsQueuedNotInflight(t *testing.T) {
 	c := newCore(coreConfig{prefillPages: 100})
 	b := NewBarrier()
 	seq := submit(c, b, false, true, pageRun{0, 0, 2})
-	c.next(1) // page 0 in flight
+	nextAll(c, 1) // page 0 in flight
 	confirm, late := c.faulted([]cache.PageKey{{Table: 0, Page: 0}, {Table: 0, Page: 1}, {Table: 0, Page: 7}})
 	if len(confirm) != 1 || confirm[0].Page != 1 {
 		t.Fatalf("faulted returned %v, want only the queued page 1", confirm)
@@ -238,7 +259,7 @@ func TestCoreFaultCancelsQueuedNotInflight(t *testing.T) {
 	if confirm, late := c.faulted([]cache.PageKey{{Table: 0, Page: 1}}); len(confirm) != 0 || late != 0 {
 		t.Fatalf("second fault on a cancelled page: confirm %v, late %d; want neither", confirm, late)
 	}
-	if runs := c.next(10); len(runs) != 0 {
+	if runs := nextAll(c, 10); len(runs) != 0 {
 		t.Fatalf("claimed %v after the fault cancelled the rest", runs)
 	}
 	if settledThrough(b, seq) {
@@ -261,7 +282,7 @@ func TestCoreDrainFailsQueuedWork(t *testing.T) {
 	if len(c.pages) != 0 || len(a.open) != 0 || len(b.open) != 0 || a.status.Failed != 5 || b.status.Failed != 5 {
 		t.Fatalf("after drain: %d states, a %+v, b %+v", len(c.pages), a.status, b.status)
 	}
-	if runs := c.next(100); len(runs) != 0 {
+	if runs := nextAll(c, 100); len(runs) != 0 {
 		t.Fatalf("claimed %v after drain", runs)
 	}
 }
