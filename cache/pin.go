@@ -431,6 +431,13 @@ func (p *Pinner) readThrough(table uint32, off int64, n int) error {
 		if err != nil {
 			return fmt.Errorf("read through: %w", err)
 		}
+		// Read only the run: without FADV_RANDOM the kernel reads ahead
+		// around it, into large folios that the populate then maps and
+		// the trim must split again.
+		if err := unix.Fadvise(int(nf.Fd()), 0, 0, unix.FADV_RANDOM); err != nil {
+			_ = nf.Close()
+			return fmt.Errorf("read through: fadvise %s: %w", p.files[table].Path, err)
+		}
 		p.mu.Lock()
 		if f = p.readers[table]; f == nil {
 			p.readers[table], f = nf, nf
