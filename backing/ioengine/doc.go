@@ -9,12 +9,15 @@
 // blocking pread per goroutine pays a sleep, a wake-up and a kick for every
 // read.
 //
-// The io_uring engine instead writes many reads into the submission ring and
-// submits them with one io_uring_enter; one reaper goroutine sleeps in
-// io_uring_enter until at least one read completes, then takes every
-// completion available in that wake-up, calls Done for each, refills the
-// ring from its FIFO and submits the refill in the same io_uring_enter it
-// sleeps in. The pread engine is the fallback where io_uring is refused
+// The io_uring engine instead has one reaper goroutine, locked to its thread,
+// write many reads into the submission ring and submit them with the
+// io_uring_enter it sleeps in until at least one read completes; it then
+// takes every completion available in that wake-up, calls Done for each,
+// refills the ring from its FIFO and submits the refill in its next enter.
+// Other threads only queue reads, and wake a sleeping reaper through an
+// eventfd it polls in the ring: a read's completion runs as task work on the
+// thread that submitted it, and only the reaper's thread is sure never to
+// sleep where task work cannot run (see uringEngine). The pread engine is the fallback where io_uring is refused
 // (kernel.io_uring_disabled, seccomp, old kernels): a fixed pool of
 // queueDepth workers, so a burst of requests never becomes a burst of
 // goroutines and blocked OS threads.

@@ -1,10 +1,14 @@
 package ioengine
 
 import (
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestParseKind(t *testing.T) {
@@ -87,5 +91,65 @@ func TestUringBatches(t *testing.T) {
 	}
 	if s.Enters > n/4 || s.Wakeups > n/4 {
 		t.Errorf("stats %+v: want under one enter and one wake-up per 4 reads", s)
+	}
+}
+
+// TestUringSubmitsOnlyFromTheReaper: every io_uring_enter that submits runs
+// on one thread, the reaper's. A read's completion is task work on the
+// thread that submitted it, and a thread that then blocks uninterruptibly
+// (on a page of our own mount whose FUSE READ waits for that read) never
+// runs it: that hung the daemon. Reads are submitted here from many
+// goroutines, pinned to their own threads, and from Done callbacks.
+func TestUringSubmitsOnlyFromTheReaper(t *testing.T) {
+	var mu sync.Mutex
+	tids := map[int]int{}
+	enterHook = func(toSubmit uint32) {
+		if toSubmit > 0 {
+			mu.Lock()
+			tids[unix.Gettid()]++
+			mu.Unlock()
+		}
+	}
+	t.Cleanup(func() { enterHook = nil })
+	f := newTestFile(t, 8<<20)
+	fd := open(t, f.path, false)
+	e := newEngine(t, "io_uring", 16)
+	const perG, goroutines = 200, 8
+	var wg sync.WaitGroup
+	var submitters sync.WaitGroup
+	for g := range goroutines {
+		submitters.Add(1)
+		go func() {
+			defer submitters.Done()
+			runtime.LockOSThread() // a thread of its own: its enters would show
+			defer runtime.UnlockOSThread()
+			for i := range perG {
+				wg.Add(1)
+				again := i%4 == 0
+				var r *Req
+				r = &Req{Fd: fd, Off: int64((g*perG+i)%2048) * 4096, Buf: make([]byte, 4096), Done: func(int, error) {
+					if again { // a Done that submits, as the loader's retries do
+						again = false
+						e.Submit(r)
+						return
+					}
+					wg.Done()
+				}}
+				e.Submit(r)
+				if i%16 == 0 {
+					time.Sleep(100 * time.Microsecond) // let the reaper fall asleep
+				}
+			}
+		}()
+	}
+	submitters.Wait()
+	wait(t, &wg)
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(tids) != 1 {
+		t.Fatalf("io_uring_enter with SQEs on %d threads (%v), want the reaper's only", len(tids), tids)
 	}
 }

@@ -29,8 +29,8 @@ const (
 
 	ioringEnterGetEvents = 1 << 0
 
-	ioringOpNop  = 0
-	ioringOpRead = 22
+	ioringOpPollAdd = 6
+	ioringOpRead    = 22
 
 	// ioringMaxEntries is the kernel's IORING_MAX_ENTRIES; with CLAMP larger
 	// requests are cut to it, without CLAMP they fail with EINVAL.
@@ -273,17 +273,26 @@ func (r *ring) pushRead(fd int, off int64, buf []byte, userData uint64) {
 	atomic.StoreUint32(r.sqTail, r.localSQTail)
 }
 
-// pushNop writes a NOP SQE; its completion wakes the reaper.
-func (r *ring) pushNop(userData uint64) {
-	r.sqes[r.localSQTail&r.sqMask] = sqe{opcode: ioringOpNop, fd: -1, userData: userData}
+// pushPollIn writes a one-shot POLL_ADD SQE for POLLIN on fd: it completes
+// (with userData) once fd is readable.
+func (r *ring) pushPollIn(fd int, userData uint64) {
+	// poll32_events shares rw_flags' place in the SQE.
+	r.sqes[r.localSQTail&r.sqMask] = sqe{opcode: ioringOpPollAdd, fd: int32(fd), rwFlags: unix.POLLIN, userData: userData}
 	r.localSQTail++
 	atomic.StoreUint32(r.sqTail, r.localSQTail)
 }
+
+// enterHook, if set (by tests, before any ring exists), hears every
+// io_uring_enter on the calling thread.
+var enterHook func(toSubmit uint32)
 
 // enter is io_uring_enter(2) without a signal mask. It blocks in the
 // kernel when waiting, as any blocking syscall does in Go (the P is handed
 // off), so it is fine to call from a goroutine.
 func (r *ring) enter(toSubmit, minComplete, flags uint32) (int, error) {
+	if enterHook != nil {
+		enterHook(toSubmit)
+	}
 	n, _, errno := unix.Syscall6(unix.SYS_IO_URING_ENTER, uintptr(r.fd), uintptr(toSubmit), uintptr(minComplete), uintptr(flags), 0, 0)
 	if errno != 0 {
 		return int(n), errno

@@ -10,8 +10,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// wakeUserData marks the NOP that Close submits to wake the reaper; slot
-// indexes never reach it.
+// wakeUserData marks the completion of the eventfd poll that wakes the
+// reaper; slot indexes never reach it.
 const wakeUserData = ^uint64(0)
 
 // slot is one read in flight; user_data is its index. Holding req here keeps
@@ -28,20 +28,33 @@ type finished struct {
 	err error
 }
 
+// uringEngine submits every read from one thread, the reaper's. A read's
+// completion is posted by task work that the kernel queues on the thread
+// that submitted the read; a thread in an uninterruptible sleep runs no task
+// work. An earlier version let any thread submit, and beside a benchmark the
+// daemon hung: a thread had submitted a read, then (running another
+// goroutine) blocked reading a page of our own mount, whose FUSE READ
+// waited for that very read (folio_wait_bit_common in the pin worker's
+// pread, the FUSE handler in Loader.Load, the reaper asleep with nothing to
+// reap, 10 minutes). The reaper's thread is locked to it and only ever
+// sleeps in io_uring_enter, which task work does wake. Other threads queue
+// requests and, when the reaper sleeps, wake it through an eventfd that it
+// polls in the ring.
 type uringEngine struct {
-	r *ring
+	r   *ring
+	efd int // eventfd: a write wakes the reaper (its poll completes)
 
 	mu    sync.Mutex
 	queue fifo     // GUARDED_BY(mu): reqs waiting for a slot
 	slots []slot   // GUARDED_BY(mu)
 	free  []uint32 // GUARDED_BY(mu): unused slot indexes
 	// reaperAwake is true while the reaper is between a wake-up and its next
-	// io_uring_enter. Submitters then only write SQEs: the reaper submits
-	// them in the enter it sleeps in, so a Done that calls Submit (and any
-	// submitter racing with a wake-up) costs no system call of its own.
-	reaperAwake bool           // GUARDED_BY(mu)
-	closed      bool           // GUARDED_BY(mu)
-	entering    sync.WaitGroup // submitters inside io_uring_enter; Close waits for them before closing the fd
+	// io_uring_enter: it fills the ring from the queue before it sleeps, so
+	// a Submit then only queues (a Done that calls Submit costs no system
+	// call). woken: an eventfd write is on its way to a sleeping reaper.
+	reaperAwake bool // GUARDED_BY(mu)
+	woken       bool // GUARDED_BY(mu)
+	closed      bool // GUARDED_BY(mu)
 
 	reaperDone chan struct{}
 
@@ -51,17 +64,24 @@ type uringEngine struct {
 var _ Engine = (*uringEngine)(nil)
 
 func newUring(queueDepth int) (*uringEngine, error) {
-	depth := min(queueDepth, ioringMaxEntries-1)
-	// One SQE more than the depth for Close's NOP: with at most depth reads
-	// in flight (each holds at most one SQE) the SQ ring can never be full,
-	// and the CQ ring (twice the SQ ring) never overflows.
-	r, err := newRing(uint32(depth + 1))
+	depth := min(queueDepth, ioringMaxEntries-2)
+	// Two SQEs more than the depth, for the eventfd poll and its re-arm:
+	// with at most depth reads in flight (each holds at most one SQE) the
+	// SQ ring can never be full, and the CQ ring (twice the SQ ring) never
+	// overflows.
+	r, err := newRing(uint32(depth + 2))
 	if err != nil {
 		return nil, err
 	}
-	depth = min(depth, int(r.sqEntries)-1)
+	efd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+	if err != nil {
+		r.close()
+		return nil, err
+	}
+	depth = min(depth, int(r.sqEntries)-2)
 	e := &uringEngine{
 		r:          r,
+		efd:        efd,
 		slots:      make([]slot, depth),
 		free:       make([]uint32, depth),
 		reaperDone: make(chan struct{}),
@@ -88,37 +108,30 @@ func (e *uringEngine) Submit(reqs ...*Req) {
 		return
 	}
 	e.queue.push(reqs...)
-	e.fillLocked()
-	n := e.r.unsubmitted()
-	if n == 0 || e.reaperAwake {
-		e.mu.Unlock()
-		return
-	}
-	e.entering.Add(1)
+	wake := e.wakeLocked()
 	e.mu.Unlock()
-	e.submit(n)
-	e.entering.Done()
+	if wake {
+		e.wake()
+	}
 }
 
-// submit pushes written SQEs to the kernel without waiting. The kernel may
-// take fewer than n if the reaper's enter took some first; that is fine.
-func (e *uringEngine) submit(n uint32) {
+// wakeLocked reports whether the caller must wake the reaper: it sleeps and
+// no wake-up is on its way.
+func (e *uringEngine) wakeLocked() bool {
+	if e.reaperAwake || e.woken {
+		return false
+	}
+	e.woken = true
+	return true
+}
+
+// wake writes the eventfd the reaper polls.
+func (e *uringEngine) wake() {
+	one := [8]byte{1}
 	for {
-		_, err := e.r.enter(n, 0, 0)
-		e.enters.Add(1)
-		switch err {
-		case nil:
-			return
-		case unix.EINTR:
-			continue
-		case unix.EAGAIN, unix.EBUSY:
-			// Out of kernel request memory or CQ overflow: the SQEs stay in
-			// the ring. Retry; the reaper also submits what is left.
-			time.Sleep(50 * time.Microsecond)
-			continue
-		default:
-			// Only a closed or invalid ring fd gets here, which Close rules
-			// out; the SQEs remain for the reaper.
+		_, err := unix.Write(e.efd, one[:])
+		if err != unix.EINTR {
+			// EAGAIN: the counter is full, so the poll has fired already.
 			return
 		}
 	}
@@ -154,18 +167,16 @@ func (e *uringEngine) Close() error {
 	}
 	e.closed = true
 	queued := e.queue.drain()
-	// The NOP completes at once and wakes a reaper that may be sleeping with
-	// nothing in flight.
-	e.r.pushNop(wakeUserData)
-	n := e.r.unsubmitted()
-	e.entering.Add(1)
+	wake := e.wakeLocked()
 	e.mu.Unlock()
 	failAll(queued, ErrClosed)
-	e.submit(n)
-	e.entering.Done()
+	if wake {
+		e.wake()
+	}
+	// The reaper returns once the reads in flight are answered.
 	<-e.reaperDone
-	e.entering.Wait()
 	e.r.close()
+	_ = unix.Close(e.efd)
 	return nil
 }
 
@@ -174,22 +185,24 @@ func (e *uringEngine) inFlightLocked() int { return len(e.slots) - len(e.free) }
 
 func (e *uringEngine) reaper() {
 	defer close(e.reaperDone)
-	// Completion work for a read runs on the thread that submitted it. The
-	// reaper submits most reads (refills and resubmissions from Done), so
-	// keeping it on one thread makes that thread the one already waiting in
-	// io_uring_enter: one wake-up per batch instead of waking the submitting
-	// thread, which then wakes the reaper.
+	// Every submission, and so the completion work of every read, happens
+	// on this thread (see uringEngine), which does nothing else.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 
 	var cqes []cqe
 	var done []finished
-	nopSeen := false
+	armed := false // the eventfd poll is in the ring
 	for {
 		e.mu.Lock()
-		if e.closed && nopSeen && e.inFlightLocked() == 0 {
+		if e.closed && e.inFlightLocked() == 0 {
 			e.mu.Unlock()
 			return
+		}
+		e.fillLocked()
+		if !armed {
+			e.r.pushPollIn(e.efd, wakeUserData)
+			armed = true
 		}
 		n := e.r.unsubmitted()
 		e.reaperAwake = false
@@ -201,7 +214,8 @@ func (e *uringEngine) reaper() {
 		case nil, unix.EINTR:
 		case unix.EAGAIN, unix.EBUSY:
 			// Kernel out of request memory, or CQ overflow (impossible with
-			// the ring sizes above): back off a little and retry.
+			// the ring sizes above): back off a little and retry; the SQEs
+			// stay in the ring for the next enter.
 			time.Sleep(50 * time.Microsecond)
 		default:
 			// Not expected from a live ring; do not spin on it.
@@ -219,7 +233,11 @@ func (e *uringEngine) reaper() {
 		e.reaperAwake = true
 		for _, c := range cqes {
 			if c.userData == wakeUserData {
-				nopSeen = true
+				// Drain the counter, then re-arm the poll at the top of
+				// the loop; Submits from now on see the reaper awake.
+				var buf [8]byte
+				_, _ = unix.Read(e.efd, buf[:])
+				armed, e.woken = false, false
 				continue
 			}
 			idx := uint32(c.userData)
@@ -243,7 +261,6 @@ func (e *uringEngine) reaper() {
 			*s = slot{}
 			e.free = append(e.free, idx)
 		}
-		e.fillLocked()
 		e.mu.Unlock()
 
 		// Done runs without mu: it may call Submit.
