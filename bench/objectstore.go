@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 	"unsafe"
@@ -36,6 +37,14 @@ type ObjectStoreConfig struct {
 	// PrefillLead is how long before its deadline the prefill chunk is
 	// hinted (2 s).
 	PrefillLead time.Duration
+	// PrefillRows bounds the rows of each layer of that chunk (1,024: about
+	// 4,000-6,000 pages with the big geometry, the size the target names; a
+	// whole 8,192-token chunk is ~64K pages, which no queue depth an object
+	// store allows one prefix fetches in 2 s). 0: the whole chunk.
+	PrefillRows int
+	// QueueDepth is the daemon's --queue-depth on the object store (256,
+	// the daemon's own default for s3://); the local paths keep theirs.
+	QueueDepth int
 	// Misses is how many cold decode misses (single faults, no hint) are
 	// timed (200).
 	Misses int
@@ -45,7 +54,7 @@ type ObjectStoreConfig struct {
 // at 200 ms, a prefill chunk hinted 2 s ahead.
 func DefaultObjectStore() ObjectStoreConfig {
 	return ObjectStoreConfig{FirstByte: 20 * time.Millisecond, SlowFirstByte: 200 * time.Millisecond, SlowFraction: 0.01,
-		PrefillLead: 2 * time.Second, Misses: 200}
+		PrefillLead: 2 * time.Second, PrefillRows: 1024, QueueDepth: 256, Misses: 200}
 }
 
 // ObjectStoreReport is what the object-store run measured on the big
@@ -206,7 +215,8 @@ func (r *geomRun) objectStoreRun(ctx context.Context, rep *ObjectStoreReport) (e
 	env := slices.Concat(r.env, s3serve.Env())
 	// withDaemon runs body on a fresh mount and stops it after.
 	withDaemon := func(extra []string, body func(d *daemonproc.Daemon) error) (err error) {
-		flags := slices.Concat(r.flags, []string{"--s3-endpoint", proxy.URL}, extra)
+		// A later --queue-depth overrides the local paths' one.
+		flags := slices.Concat(r.flags, []string{"--s3-endpoint", proxy.URL, "--queue-depth", strconv.Itoa(max(oc.QueueDepth, 1))}, extra)
 		d, err := startDaemon(ctx, r.cfg.Binary, r.cfg.MountDir, flags, env, rep.URL)
 		if err != nil {
 			return err
@@ -363,6 +373,12 @@ func (r *geomRun) prefillDeadline(ctx context.Context, d *daemonproc.Daemon) (*P
 	}
 	defer gs.close()
 	chunk := r.prefill[0]
+	if n := r.cfg.ObjectStore.PrefillRows; n > 0 {
+		chunk = slices.Clone(chunk)
+		for j := range chunk {
+			chunk[j] = chunk[j][:min(n, len(chunk[j]))]
+		}
+	}
 	// The chunk's pages, per mapping.
 	type want struct {
 		src   *rowSource
@@ -439,7 +455,7 @@ func (r *geomRun) prefillDeadline(ctx context.Context, d *daemonproc.Daemon) (*P
 	out.Gets, out.GetBytes = after.S3Gets-before.S3Gets, after.S3GetBytes-before.S3GetBytes
 	out.BytesPerPage = float64(out.GetBytes) / float64(total*4096)
 	out.Dropped = after.PrefetchPagesDropped - before.PrefetchPagesDropped
-	if qd := uint64(max(r.cfg.QueueDepth, 1)); out.Gets > 0 {
+	if qd := uint64(max(r.cfg.ObjectStore.QueueDepth, 1)); out.Gets > 0 {
 		out.GetFloor = time.Duration((out.Gets+qd-1)/qd) * r.cfg.ObjectStore.FirstByte
 	}
 	return out, nil

@@ -157,7 +157,7 @@ func TestObjectStoreRunTiny(t *testing.T) {
 	cfg.Geometries = cfg.Geometries[:1] // big
 	cfg.Paths = []PathID{PathHints}
 	cfg.ObjectStore = ObjectStoreConfig{FirstByte: 5 * time.Millisecond, SlowFirstByte: 50 * time.Millisecond, SlowFraction: 0.05,
-		PrefillLead: 300 * time.Millisecond, Misses: 30}
+		PrefillLead: 300 * time.Millisecond, QueueDepth: 64, Misses: 30}
 	var progress bytes.Buffer
 	cfg.Progress = &progress
 	rep, err := Run(context.Background(), cfg)

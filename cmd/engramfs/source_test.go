@@ -96,3 +96,20 @@ func TestS3MirrorFlags(t *testing.T) {
 		t.Errorf("--s3-mirror with a directory MODEL_DIR: %v, want a usage error", err)
 	}
 }
+
+func TestQueueDepthDefaults(t *testing.T) {
+	for _, c := range []struct {
+		dir       string
+		set, want int
+	}{
+		{"/models/m", 0, 64},
+		{"s3://bucket/prefix", 0, 256},
+		{"s3://bucket/prefix", 32, 32},
+		{"/models/m", 8, 8},
+		{"/models/m", -1, -1}, // refused by startDaemon
+	} {
+		if got := queueDepthFor(c.dir, c.set); got != c.want {
+			t.Errorf("queueDepthFor(%q, %d) = %d, want %d", c.dir, c.set, got, c.want)
+		}
+	}
+}
