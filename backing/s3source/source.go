@@ -348,18 +348,28 @@ func (sh *shard) Submit(reads ...*backing.ShardRead) {
 		var hits []*backing.ShardRead
 		valid, hits = sh.splitMirrored(valid)
 		if len(hits) > 0 {
-			if !sh.enter(1) {
+			groups := min(len(hits), mirrorReaders)
+			if !sh.enter(groups) {
 				err := fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
 				for _, r := range hits {
 					r.Done(nil, err)
 				}
 			} else {
-				go sh.serveMirrored(hits)
+				for g := range groups {
+					go sh.serveMirrored(hits[g*len(hits)/groups : (g+1)*len(hits)/groups])
+				}
 			}
 		}
 	}
 	sh.submitGETs(valid)
 }
+
+// mirrorReaders bounds the goroutines that answer one Submit's mirror hits,
+// each with a pread of the local mirror file at a time. Served one after
+// another by a single goroutine, a hinted decode step's ~100-150 hits took
+// 10-15 ms: the mirror-warm decode p50 was 15.7 ms against 5.9 ms over local
+// shards, whose reads run 64 at a time.
+const mirrorReaders = 16
 
 // splitMirrored splits reads into those that need a GET and those wholly
 // inside mirrored pages.
