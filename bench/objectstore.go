@@ -37,8 +37,8 @@ type ObjectStoreConfig struct {
 	// PrefillLead is how long before its deadline the prefill chunk is
 	// hinted (2 s).
 	PrefillLead time.Duration
-	// PrefillRows bounds the rows of each layer of that chunk (1,024: about
-	// 4,000-6,000 pages with the big geometry, the size the target names; a
+	// PrefillRows bounds the rows of each layer of that chunk (2,048: about
+	// 4,700 pages with the big geometry, the size the target names; a
 	// whole 8,192-token chunk is ~64K pages, which no queue depth an object
 	// store allows one prefix fetches in 2 s). 0: the whole chunk.
 	PrefillRows int
@@ -54,7 +54,7 @@ type ObjectStoreConfig struct {
 // at 200 ms, a prefill chunk hinted 2 s ahead.
 func DefaultObjectStore() ObjectStoreConfig {
 	return ObjectStoreConfig{FirstByte: 20 * time.Millisecond, SlowFirstByte: 200 * time.Millisecond, SlowFraction: 0.01,
-		PrefillLead: 2 * time.Second, PrefillRows: 1024, QueueDepth: 256, Misses: 200}
+		PrefillLead: 2 * time.Second, PrefillRows: 2048, QueueDepth: 256, Misses: 200}
 }
 
 // ObjectStoreReport is what the object-store run measured on the big

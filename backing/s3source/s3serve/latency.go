@@ -1,8 +1,10 @@
 package s3serve
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
+	"log"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -59,6 +61,15 @@ func NewLatencyProxy(endpoint string, lat Latency) (*LatencyProxy, error) {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.MaxIdleConns, tr.MaxIdleConnsPerHost = 256, 256
 	rp.Transport = tr
+	// A GET the daemon gave up on (the losing half of a hedge, a stopped
+	// mount) is a canceled request, not a proxy failure worth a log line;
+	// anything else is still logged.
+	rp.ErrorHandler = func(w http.ResponseWriter, r *http.Request, err error) {
+		if !errors.Is(err, context.Canceled) {
+			log.Printf("latency proxy: %s %s: %v", r.Method, r.URL.Path, err)
+		}
+		w.WriteHeader(http.StatusBadGateway)
+	}
 	p := &LatencyProxy{URL: "http://" + ln.Addr().String(), lat: lat, ln: ln, rng: rand.New(rand.NewPCG(lat.Seed, 0x1a7e))}
 	p.srv = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == statsPath {
