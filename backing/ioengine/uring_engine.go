@@ -64,12 +64,12 @@ type uringEngine struct {
 var _ Engine = (*uringEngine)(nil)
 
 func newUring(queueDepth int) (*uringEngine, error) {
-	depth := min(queueDepth, ioringMaxEntries-2)
-	// Two SQEs more than the depth, for the eventfd poll and its re-arm:
-	// with at most depth reads in flight (each holds at most one SQE) the
-	// SQ ring can never be full, and the CQ ring (twice the SQ ring) never
-	// overflows.
-	r, err := newRing(uint32(depth + 2))
+	depth := min(queueDepth, ioringMaxEntries-1)
+	// One SQE more than the depth, for the eventfd poll (one at a time: it
+	// is re-armed only after it completed): with at most depth reads in
+	// flight (each holds at most one SQE) the SQ ring can never be full, and
+	// the CQ ring (twice the SQ ring) never overflows.
+	r, err := newRing(uint32(depth + 1))
 	if err != nil {
 		return nil, err
 	}
@@ -78,7 +78,7 @@ func newUring(queueDepth int) (*uringEngine, error) {
 		r.close()
 		return nil, err
 	}
-	depth = min(depth, int(r.sqEntries)-2)
+	depth = min(depth, int(r.sqEntries)-1)
 	e := &uringEngine{
 		r:          r,
 		efd:        efd,
