@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"path/filepath"
 	"slices"
 	"syscall"
 	"testing"
@@ -11,7 +12,15 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/stats"
 )
+
+// The stats file is where stats.ReadFile (which cannot import fs) reads it.
+func TestStatsFileIsWhereStatsReadsIt(t *testing.T) {
+	if p := filepath.Join(ControlDir, StatsFile); p != stats.RelPath {
+		t.Fatalf("the tree serves the stats at %s, stats.ReadFile reads %s", p, stats.RelPath)
+	}
+}
 
 // Every name of the tree resolves, with the type, permission bits, size and
 // owner a user sees in ls -l; the directories' children are exactly those.
