@@ -1,0 +1,212 @@
+package tests
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/engramfs/engramfs/hints/client"
+)
+
+// Eight rank processes on one node, each hinting its decode steps (72
+// Zipf-popular rows per layer, hint + read barrier) and, every few steps,
+// its next prefill chunk (on a second handle, never waited on), against one
+// process doing the same alone. The target: each rank's decode
+// barrier p99 ≤ 2× the single process's p99. Ratios, not times, and no
+// assertion on them: run it alone, e.g.
+//
+//	ENGRAMFS_REQUIRE_FUSE=1 go test -run '^$' -bench 'HintsEightRanks' -benchtime 1x ./tests/
+//
+// Each rank is this test binary run again as TestHintsRankHelper (a process
+// of its own, as an engine's ranks are: its own control handles, its own
+// faults), told what to do through rankEnv.
+
+// rankWork is one rank's share of the workload.
+type rankWork struct {
+	Mount     string
+	Rank      int    // which row range of each layer is this rank's
+	Ranks     int    // how many ranges the rows are split into
+	RowsTotal uint64 // rows of each table
+	Layers    int
+	Steps     int // decode steps measured (after a few unmeasured ones)
+	ChunkRows int // prefill rows per layer per chunk
+	// ChunkEvery: a prefill chunk is hinted every ChunkEvery decode steps.
+	ChunkEvery int
+	ComputeMs  int    // the step's "compute" after its barrier
+	Salt       uint64 // which rows are popular: a run's own, so another run's pinned rows do not help it
+}
+
+// rankResult is what a rank reports: each measured barrier, in µs.
+type rankResult struct {
+	Rank      int
+	BarrierUs []int64
+}
+
+const rankEnv = "ENGRAMFS_RANK_HELPER"
+
+func BenchmarkHintsEightRanks(b *testing.B) {
+	const ranks = 8
+	spec := benchModel(b, ranks*8000)
+	d := Mount(b, Synth(b, spec))
+	work := rankWork{Mount: d.Mountpoint, Ranks: ranks, RowsTotal: uint64(spec.Rows), Layers: spec.Layers,
+		Steps: 200, ChunkRows: 3000, ChunkEvery: 4, ComputeMs: 5}
+
+	alone := work
+	alone.Salt = 1
+	single := runRanks(b, alone, 1)[0]
+
+	all := work
+	all.Salt = 2
+	results := runRanks(b, all, ranks)
+
+	q := func(us []int64, q float64) float64 {
+		s := slices.Clone(us)
+		slices.Sort(s)
+		return float64(s[min(len(s)-1, int(q*float64(len(s))))]) / 1000
+	}
+	base := q(single.BarrierUs, 0.99)
+	worst, worstP50 := 0.0, 0.0
+	for _, r := range results {
+		v := q(r.BarrierUs, 0.99)
+		worst = max(worst, v)
+		worstP50 = max(worstP50, q(r.BarrierUs, 0.5))
+		b.ReportMetric(v, fmt.Sprintf("rank%d-p99-ms", r.Rank))
+	}
+	b.ReportMetric(q(single.BarrierUs, 0.5), "alone-p50-ms")
+	b.ReportMetric(base, "alone-p99-ms")
+	b.ReportMetric(worst, "worst-p99-ms")
+	b.ReportMetric(worstP50/q(single.BarrierUs, 0.5), "worst-ratio-p50")
+	b.ReportMetric(worst/base, "worst-ratio-p99")
+	st := d.Stats(b)
+	if st.PrefetchPagesFailed != 0 {
+		b.Fatalf("%d pages failed", st.PrefetchPagesFailed)
+	}
+}
+
+// runRanks runs n rank processes at once, ranks 0..n-1 of w, and returns
+// their reports.
+func runRanks(b *testing.B, w rankWork, n int) []rankResult {
+	b.Helper()
+	type ran struct {
+		out    bytes.Buffer
+		errOut bytes.Buffer
+		err    error
+	}
+	runs := make([]*ran, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		w := w
+		w.Rank = i
+		arg, err := json.Marshal(w)
+		if err != nil {
+			b.Fatal(err)
+		}
+		r := &ran{}
+		runs[i] = r
+		cmd := exec.Command(os.Args[0], "-test.run=^TestHintsRankHelper$", "-test.count=1")
+		cmd.Env = append(os.Environ(), rankEnv+"="+string(arg))
+		cmd.Stdout, cmd.Stderr = &r.out, &r.errOut
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.err = cmd.Run()
+		}()
+	}
+	wg.Wait()
+	out := make([]rankResult, n)
+	for i, r := range runs {
+		if r.err != nil {
+			b.Fatalf("rank %d: %v\n%s\n%s", i, r.err, r.out.String(), r.errOut.String())
+		}
+		line := r.out.Bytes()
+		if j := bytes.Index(line, []byte("RANK ")); j >= 0 {
+			line = line[j+5:]
+		}
+		if j := bytes.IndexByte(line, '\n'); j >= 0 {
+			line = line[:j]
+		}
+		if err := json.Unmarshal(line, &out[i]); err != nil || len(out[i].BarrierUs) == 0 {
+			b.Fatalf("rank %d: report %q: %v", i, r.out.String(), err)
+		}
+	}
+	return out
+}
+
+// TestHintsRankHelper is one rank of BenchmarkHintsEightRanks, in a process
+// of its own; run directly, it skips.
+func TestHintsRankHelper(t *testing.T) {
+	arg := os.Getenv(rankEnv)
+	if arg == "" {
+		t.Skip("a rank process of BenchmarkHintsEightRanks")
+	}
+	var w rankWork
+	if err := json.Unmarshal([]byte(arg), &w); err != nil {
+		t.Fatal(err)
+	}
+	dec, err := client.Open(w.Mount) // decode steps and their barriers
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dec.Close()
+	pre, err := client.Open(w.Mount) // prefill chunks, never waited on
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pre.Close()
+
+	per := w.RowsTotal / uint64(w.Ranks)
+	start := uint64(w.Rank) * per
+	rng := rand.New(rand.NewPCG(uint64(w.Rank), w.Salt))
+	// Zipf-popular rows of this rank's range: a few rows take most lookups.
+	zipf := rand.NewZipf(rng, 1.1, 1, per-1)
+	row := func(popularity uint64) uint64 { return start + (popularity*7919+w.Salt*104729)%per }
+	const warmup = 5
+	res := rankResult{Rank: w.Rank}
+	for step := range warmup + w.Steps {
+		if step%w.ChunkEvery == 0 { // the next chunk's rows, hinted a chunk ahead
+			for layer := range w.Layers {
+				chunk := make([]uint64, w.ChunkRows)
+				for i := range chunk {
+					chunk[i] = start + rng.Uint64N(per)
+				}
+				if err := pre.Prefill(layer, chunk); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		t0 := time.Now()
+		for layer := range w.Layers {
+			rows := make([]uint64, 72)
+			for i := range rows {
+				rows[i] = row(zipf.Uint64())
+			}
+			if err := dec.Decode(layer, rows); err != nil {
+				t.Fatal(err)
+			}
+		}
+		st, err := dec.Barrier()
+		took := time.Since(t0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Dropped != 0 || st.Resident+st.Pinned != st.Pages {
+			t.Fatalf("step %d: decode barrier status %+v", step, st)
+		}
+		if step >= warmup {
+			res.BarrierUs = append(res.BarrierUs, took.Microseconds())
+		}
+		time.Sleep(time.Duration(w.ComputeMs) * time.Millisecond)
+	}
+	line, err := json.Marshal(res)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fmt.Println("RANK " + string(line))
+}
