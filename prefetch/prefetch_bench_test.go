@@ -4,8 +4,11 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/cache"
@@ -81,4 +84,90 @@ func sparseModel(b *testing.B, rows int64) string {
 		b.Fatal(err)
 	}
 	return dir
+}
+
+// parkedReader never answers until released: the pages a benchmark queues stay
+// queued or in flight, as under a flood the disk cannot keep up with.
+type parkedReader struct {
+	mu    sync.Mutex
+	reads []*backing.TableRead
+	buf   []byte
+}
+
+func (h *parkedReader) Submit(reads ...*backing.TableRead) {
+	h.mu.Lock()
+	h.reads = append(h.reads, reads...)
+	h.mu.Unlock()
+}
+
+func (h *parkedReader) release() {
+	h.mu.Lock()
+	reads := h.reads
+	h.reads = nil
+	h.mu.Unlock()
+	for _, r := range reads {
+		r.Done(h.buf[:r.Len:r.Len], nil)
+	}
+}
+
+// BenchmarkPrefillFloodPart is the daemon's side of four handles flooding
+// 4M-row prefill frames over a 60,000-row layer, one 1 MiB write (131,072
+// rows, most of them named by the frame's earlier writes) per op, while the
+// disk keeps up with none of it. Beside it a goroutine takes the
+// prefetcher's lock every 100 µs, as the fetch loop, the read engine's
+// completions and the pushers do for a decode step: lock-wait-p99-µs is how
+// long they wait behind the flood's admission.
+func BenchmarkPrefillFloodPart(b *testing.B) {
+	const tableRows = 60000
+	m, err := backing.Load(sparseModel(b, tableRows), backing.DefaultTablePattern)
+	if err != nil {
+		b.Fatal(err)
+	}
+	st := &stats.Counters{}
+	src := &parkedReader{buf: make([]byte, cache.MaxRunPages*cache.PageSize)}
+	loader := cache.NewLoader(src, m.Tables, st)
+	p := New(DefaultConfig(8), m, loader, &countingPusher{}, nil, st, nil)
+	defer func() {
+		src.release()
+		p.Close()
+	}()
+	var bars [4]*Barrier
+	for i := range bars {
+		bars[i] = NewBarrier()
+	}
+	rng := rand.New(rand.NewPCG(3, 4))
+	part := make([]uint64, 1<<20/8)
+	stop := make(chan struct{})
+	waits := make(chan []time.Duration)
+	go func() {
+		var w []time.Duration
+		for {
+			select {
+			case <-stop:
+				waits <- w
+				return
+			case <-time.After(100 * time.Microsecond):
+			}
+			start := time.Now()
+			p.mu.Lock()
+			w = append(w, time.Since(start))
+			p.mu.Unlock()
+		}
+	}()
+	b.ResetTimer()
+	for i := range b.N {
+		for j := range part {
+			part[j] = rng.Uint64N(tableRows)
+		}
+		p.SubmitPart(bars[i%len(bars)], hints.Prefill, 0, part, false)
+	}
+	b.StopTimer()
+	close(stop)
+	w := <-waits
+	slices.Sort(w)
+	if len(w) > 0 {
+		b.ReportMetric(float64(w[len(w)*99/100].Microseconds()), "lock-wait-p99-µs")
+		b.ReportMetric(float64(w[len(w)-1].Microseconds()), "lock-wait-max-µs")
+	}
+	b.ReportMetric(float64(len(part)*b.N)/b.Elapsed().Seconds(), "rows/s")
 }

@@ -1,7 +1,9 @@
 package prefetch
 
 import (
+	"math/rand/v2"
 	"runtime"
+	"slices"
 	"sync"
 	"testing"
 
@@ -111,7 +113,7 @@ func TestRepeatedRowFrameCostsOneRow(t *testing.T) {
 	b := NewBarrier()
 	p.Submit(hints.Decode, 0, rows, b)
 	p.mu.Lock()
-	n, named := len(p.c.pages), b.status.Pages
+	n, named := p.c.pages.len(), b.status.Pages
 	p.mu.Unlock()
 	if n != 1 || named != 1 {
 		t.Fatalf("%d page states, %d pages counted; want 1", n, named)
@@ -301,4 +303,25 @@ func TestDecodeHintsAreDemandReads(t *testing.T) {
 	defer dr.mu.Unlock()
 	check(100, false)
 	check(2000, true)
+}
+
+// sortedUnique gives what a sort and a compaction give, on both of its
+// paths (the bitmap for rows dense in the layer, the sort otherwise).
+func TestSortedUnique(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	for _, c := range []struct {
+		n         int
+		layerRows uint64
+	}{{0, 100}, {1, 1}, {10, 1 << 40}, {5000, 1000}, {5000, 64 * 5000}, {5000, 64*5000 + 1}, {100, 63}} {
+		rows := make([]uint64, c.n)
+		for i := range rows {
+			rows[i] = rng.Uint64N(c.layerRows)
+		}
+		want := slices.Clone(rows)
+		slices.Sort(want)
+		want = slices.Compact(want)
+		if got := sortedUnique(rows, c.layerRows); !slices.Equal(got, want) {
+			t.Fatalf("%d rows of %d: got %d rows, want %d", c.n, c.layerRows, len(got), len(want))
+		}
+	}
 }

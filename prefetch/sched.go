@@ -120,10 +120,64 @@ type coreConfig struct {
 	prefillPages int // pages the prefill queue holds; past it the oldest runs drop
 }
 
+// pageIndex is the state of every page the core knows, a map per table
+// keyed by page: a uint64 key hashes on the runtime's fast path, where a
+// PageKey struct went through the generic hash and an equality call (a
+// third of the flood's admission CPU, measured in
+// BenchmarkPrefillFloodPart).
+type pageIndex struct {
+	tables []map[uint64]*pageState
+	n      int
+}
+
+func (x *pageIndex) get(table uint32, page uint64) *pageState {
+	if int(table) >= len(x.tables) {
+		return nil
+	}
+	return x.tables[table][page]
+}
+
+func (x *pageIndex) put(table uint32, page uint64, s *pageState) {
+	for int(table) >= len(x.tables) {
+		x.tables = append(x.tables, nil)
+	}
+	m := x.tables[table]
+	if m == nil {
+		m = map[uint64]*pageState{}
+		x.tables[table] = m
+	}
+	if _, ok := m[page]; !ok {
+		x.n++
+	}
+	m[page] = s
+}
+
+func (x *pageIndex) del(table uint32, page uint64) {
+	if int(table) >= len(x.tables) {
+		return
+	}
+	if _, ok := x.tables[table][page]; ok {
+		delete(x.tables[table], page)
+		x.n--
+	}
+}
+
+// len is the number of page states.
+func (x *pageIndex) len() int { return x.n }
+
+// each calls fn for every page state; fn may delete the page it is given.
+func (x *pageIndex) each(fn func(k cache.PageKey, s *pageState)) {
+	for t, m := range x.tables {
+		for pg, s := range m {
+			fn(cache.PageKey{Table: uint32(t), Page: pg}, s)
+		}
+	}
+}
+
 // core is the scheduler state. Not safe for concurrent use.
 type core struct {
 	cfg     coreConfig
-	pages   map[cache.PageKey]*pageState
+	pages   pageIndex
 	prefill runFIFO
 	// Handles with decode work, served round robin: one run each per turn,
 	// so a handle that sends prefill-sized decode frames delays the others
@@ -143,7 +197,7 @@ type core struct {
 }
 
 func newCore(cfg coreConfig) *core {
-	return &core{cfg: cfg, pages: map[cache.PageKey]*pageState{}}
+	return &core{cfg: cfg}
 }
 
 // submission opens a new submission (a part of a frame) on b.
@@ -218,13 +272,12 @@ func (c *core) admit(b *Barrier, seq uint64, runs []pageRun, decode, admitDecode
 			}
 		}
 		for pg := r.first; pg < r.first+r.n; pg++ {
-			k := cache.PageKey{Table: r.table, Page: pg}
-			s := c.pages[k]
+			s := c.pages.get(r.table, pg)
 			fresh := false
 			switch {
 			case s == nil:
 				s = &pageState{gen: id, decode: decode}
-				c.pages[k] = s
+				c.pages.put(r.table, pg, s)
 				fresh = true
 			case s.stage == stQueued && decode && !s.decode:
 				// Queued as prefill: it gets a decode run too, so it is
@@ -297,15 +350,14 @@ func (c *core) dropOldest() {
 		return
 	}
 	for pg := r.first; pg < r.first+r.n; pg++ {
-		k := cache.PageKey{Table: r.table, Page: pg}
-		s := c.pages[k]
+		s := c.pages.get(r.table, pg)
 		if s == nil || s.gen != r.id || s.stage != stQueued || s.decode {
 			continue // not this run's page any more
 		}
-		delete(c.pages, k)
+		c.pages.del(r.table, pg)
 		c.dropped++
 		if c.onDrop != nil {
-			c.onDrop(k.Table, k.Page, 1)
+			c.onDrop(r.table, pg, 1)
 		}
 		s.settle(Dropped)
 	}
@@ -349,7 +401,7 @@ func (c *core) claim(out []cache.Run, q *runFIFO, r run, budget int) ([]cache.Ru
 			q.pushFront(run{id: r.id, table: r.table, first: pg, n: r.first + r.n - pg})
 			break
 		}
-		s := c.pages[cache.PageKey{Table: r.table, Page: pg}]
+		s := c.pages.get(r.table, pg)
 		if s == nil || s.gen > r.id || s.stage != stQueued {
 			continue
 		}
@@ -378,9 +430,8 @@ func (c *core) answered(n uint64) { c.inflight -= int(n) }
 // offered to the hot tier as decode work (true) or as prefill work.
 func (c *core) admissions(table uint32, first, n uint64, fn func(k cache.PageKey, decode bool)) {
 	for pg := first; pg < first+n; pg++ {
-		k := cache.PageKey{Table: table, Page: pg}
-		if s := c.pages[k]; s != nil && s.stage != stQueued {
-			fn(k, s.admitDecode)
+		if s := c.pages.get(table, pg); s != nil && s.stage != stQueued {
+			fn(cache.PageKey{Table: table, Page: pg}, s.admitDecode)
 		}
 	}
 }
@@ -389,12 +440,11 @@ func (c *core) admissions(table uint32, first, n uint64, fn func(k cache.PageKey
 // confirmation: every handle waiting for them hears outcome.
 func (c *core) settle(table uint32, first, n uint64, o Outcome) {
 	for pg := first; pg < first+n; pg++ {
-		k := cache.PageKey{Table: table, Page: pg}
-		s := c.pages[k]
+		s := c.pages.get(table, pg)
 		if s == nil || s.stage == stQueued {
 			continue // not claimed: not ours to settle
 		}
-		delete(c.pages, k)
+		c.pages.del(table, pg)
 		s.settle(o)
 	}
 }
@@ -408,7 +458,7 @@ func (c *core) settle(table uint32, first, n uint64, o Outcome) {
 // flight; a page a fault cancelled already is neither.
 func (c *core) faulted(keys []cache.PageKey) (confirm []cache.PageKey, late uint64) {
 	for _, k := range keys {
-		s := c.pages[k]
+		s := c.pages.get(k.Table, k.Page)
 		if s == nil {
 			continue
 		}
@@ -427,12 +477,12 @@ func (c *core) faulted(keys []cache.PageKey) (confirm []cache.PageKey, late uint
 // drain empties the queues at close: every queued page fails. Pages in
 // flight or awaiting confirmation still settle through their own paths.
 func (c *core) drain() {
-	for k, s := range c.pages {
+	c.pages.each(func(k cache.PageKey, s *pageState) {
 		if s.stage == stQueued {
-			delete(c.pages, k)
+			c.pages.del(k.Table, k.Page)
 			s.settle(Failed)
 		}
-	}
+	})
 	c.prefill.reset()
 	for _, b := range c.ring {
 		b.decodeQ.reset()

@@ -185,14 +185,14 @@ func TestCoreMemoryIndependentOfMentions(t *testing.T) {
 	for range 100 {
 		submit(c, b, false, true, pageRun{0, 0, 1000}, pageRun{1, 0, 10})
 	}
-	if len(c.pages) != 1010 || c.prefill.pages != 1010 || c.prefill.len() != 2 {
-		t.Fatalf("after 100 mentions: %d states, %d queued pages in %d runs; want 1010, 1010, 2", len(c.pages), c.prefill.pages, c.prefill.len())
+	if c.pages.len() != 1010 || c.prefill.pages != 1010 || c.prefill.len() != 2 {
+		t.Fatalf("after 100 mentions: %d states, %d queued pages in %d runs; want 1010, 1010, 2", c.pages.len(), c.prefill.pages, c.prefill.len())
 	}
-	for _, s := range c.pages {
+	c.pages.each(func(_ cache.PageKey, s *pageState) {
 		if len(s.more) != 0 {
 			t.Fatal("a handle waits on a page more than once")
 		}
-	}
+	})
 	if len(b.open) != 1 {
 		t.Fatalf("%d submissions open, want 1 (the later ones added nothing)", len(b.open))
 	}
@@ -279,8 +279,8 @@ func TestCoreDrainFailsQueuedWork(t *testing.T) {
 	submit(c, a, false, true, pageRun{0, 0, 5})
 	submit(c, b, true, true, pageRun{1, 0, 5})
 	c.drain()
-	if len(c.pages) != 0 || len(a.open) != 0 || len(b.open) != 0 || a.status.Failed != 5 || b.status.Failed != 5 {
-		t.Fatalf("after drain: %d states, a %+v, b %+v", len(c.pages), a.status, b.status)
+	if c.pages.len() != 0 || len(a.open) != 0 || len(b.open) != 0 || a.status.Failed != 5 || b.status.Failed != 5 {
+		t.Fatalf("after drain: %d states, a %+v, b %+v", c.pages.len(), a.status, b.status)
 	}
 	if runs := nextAll(c, 100); len(runs) != 0 {
 		t.Fatalf("claimed %v after drain", runs)
