@@ -55,7 +55,7 @@ func (p *Prefetcher) fetchLoop() {
 // wakes both loops.
 func (p *Prefetcher) fetched(r cache.Run, pages [][]byte, err error) {
 	p.mu.Lock()
-	p.c.answered(r.N)
+	p.c.answered(r)
 	p.mu.Unlock()
 	p.omu.Lock()
 	p.out = append(p.out, outcome{run: r, pages: pages, err: err})

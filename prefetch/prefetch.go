@@ -17,6 +17,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -66,7 +67,9 @@ type Config struct {
 	// InflightPages bounds the pages handed to the loader and not yet
 	// answered: about twice the backing queue depth keeps the disk busy,
 	// and a decode hint that arrives behind a prefill flood waits for at
-	// most that much work, not for the queue.
+	// most that much work, not for the queue. Decode work may have this
+	// many pages in flight whatever prefill work holds (so up to twice it
+	// in all): a decode step never waits for prefill reads to free slots.
 	InflightPages int
 	// Pushers store fetched pages; a store costs ~2-4 µs a page (measured),
 	// so one keeps up with a disk's IOPS on these machines.
@@ -147,7 +150,7 @@ func New(cfg Config, model *backing.Model, loader PageFetcher, pusher Pusher, ho
 	}
 	p := &Prefetcher{
 		cfg: cfg, model: model, loader: loader, pusher: pusher, hot: hot, st: st, log: log,
-		c:    newCore(coreConfig{prefillPages: cfg.PrefillQueuePages}),
+		c:    newCore(coreConfig{prefillPages: cfg.PrefillQueuePages, decodeInflight: cfg.InflightPages}),
 		kick: make(chan struct{}, 1), quit: make(chan struct{}), fetchDone: make(chan struct{}),
 		prefillTurn: make(chan struct{}, 1),
 		outReady:    make(chan struct{}, 1), pushQuit: make(chan struct{}),
@@ -346,9 +349,15 @@ func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode 
 	b.p.CompareAndSwap(nil, p)
 	seq := p.c.submission(b)
 	p.c.pinned(b, pinned)
+	var buf []pageRun
 	for len(runs) > 0 {
+		if busy := p.c.decodeBusy(); busy != nil && !decode {
+			p.mu.Unlock()
+			p.yieldToDecode(busy)
+			p.mu.Lock()
+		}
 		var slice []pageRun
-		slice, runs = splitRuns(runs, admitSlice)
+		slice, runs = splitRuns(runs, admitSlice, &buf)
 		if p.closed {
 			for _, r := range slice {
 				b.status.Pages += r.n
@@ -374,16 +383,43 @@ func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode 
 // admitSlice is how many pages submitRuns admits per hold of p.mu.
 const admitSlice = 1024
 
-// splitRuns cuts the first n pages off runs.
-func splitRuns(runs []pageRun, n uint64) (head, rest []pageRun) {
+// decodeYield bounds how long prefill admission waits, per slice, for the
+// decode work pending to settle. On a node with two cores the decode
+// step's path (the fetch loop, the read engine's completions, the pushers,
+// the barrier's reply) needs a core at every hop, and prefill admission
+// took them: a 72-row step beside four handles flooding 4M-row frames took
+// 2.2-4.3× its time alone, and the sched-latency profile had the read
+// engine's completion thread waiting for a core 35% of the time. Bounded,
+// so that a stream of decode steps slows prefill admission (to a slice
+// per decodeYield at worst) but never stops it.
+const decodeYield = 2 * time.Millisecond
+
+// yieldToDecode waits until busy is closed (no decode work pending), for
+// at most decodeYield, or until the prefetcher closes.
+func (p *Prefetcher) yieldToDecode(busy <-chan struct{}) {
+	t := time.NewTimer(decodeYield)
+	defer t.Stop()
+	select {
+	case <-busy:
+	case <-t.C:
+	case <-p.quit:
+	}
+}
+
+// splitRuns cuts the first n pages off runs. A run cut in two is cut in
+// place (rest starts with its tail), its head built in buf: nothing is
+// copied but the head, where copying the rest at every cut made a part of
+// many runs quadratic.
+func splitRuns(runs []pageRun, n uint64, buf *[]pageRun) (head, rest []pageRun) {
 	for i, r := range runs {
 		if r.n >= n {
 			if r.n == n {
 				return runs[:i+1], runs[i+1:]
 			}
-			head = append(runs[:i:i], pageRun{table: r.table, first: r.first, n: n})
-			rest = append([]pageRun{{table: r.table, first: r.first + n, n: r.n - n}}, runs[i+1:]...)
-			return head, rest
+			head = append(append((*buf)[:0], runs[:i]...), pageRun{table: r.table, first: r.first, n: n})
+			*buf = head
+			runs[i] = pageRun{table: r.table, first: r.first + n, n: r.n - n}
+			return head, runs[i:]
 		}
 		n -= r.n
 	}

@@ -325,3 +325,33 @@ func TestSortedUnique(t *testing.T) {
 		}
 	}
 }
+
+// splitRuns cuts runs into slices of n pages that, together, are the runs.
+func TestSplitRuns(t *testing.T) {
+	runs := []pageRun{{0, 0, 5}, {0, 10, 3}, {1, 0, 9}, {1, 20, 1}}
+	var want []cache.PageKey
+	for _, r := range runs {
+		for pg := r.first; pg < r.first+r.n; pg++ {
+			want = append(want, cache.PageKey{Table: r.table, Page: pg})
+		}
+	}
+	var got []cache.PageKey
+	var buf []pageRun
+	for rest := slices.Clone(runs); len(rest) > 0; {
+		var head []pageRun
+		head, rest = splitRuns(rest, 4, &buf)
+		n := uint64(0)
+		for _, r := range head {
+			n += r.n
+			for pg := r.first; pg < r.first+r.n; pg++ {
+				got = append(got, cache.PageKey{Table: r.table, Page: pg})
+			}
+		}
+		if n != 4 && len(rest) > 0 {
+			t.Fatalf("a slice of %d pages before the last", n)
+		}
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("pages %v, want %v", got, want)
+	}
+}

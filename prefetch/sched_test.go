@@ -1,6 +1,7 @@
 package prefetch
 
 import (
+	"slices"
 	"testing"
 
 	"github.com/engramfs/engramfs/cache"
@@ -31,7 +32,7 @@ func fetchAll(c *core, o Outcome) []cache.Run {
 			return all
 		}
 		for _, r := range runs {
-			c.answered(r.N)
+			c.answered(r)
 			c.settle(r.Table, r.First, r.N, o)
 		}
 		all = append(all, runs...)
@@ -138,7 +139,7 @@ func TestCoreStaleRunNeverClaimsANewerState(t *testing.T) {
 	if runs := nextAll(c, 1); len(runs) != 1 {
 		t.Fatalf("claim %v", runs)
 	}
-	c.answered(1)
+	c.answered(cache.Run{Table: 0, First: 10, N: 1})
 	c.settle(0, 10, 1, Resident)
 	// Hinted again as prefill: a fresh state and run.
 	seq := submit(c, pre, false, true, pageRun{0, 10, 1})
@@ -160,7 +161,7 @@ func TestCoreBarrierWaitsForExactlyItsSubmissions(t *testing.T) {
 	if settledThrough(b, s1) {
 		t.Fatal("settled before its page")
 	}
-	c.answered(1)
+	c.answered(first[0])
 	c.settle(first[0].Table, first[0].First, first[0].N, Resident)
 	if !settledThrough(b, s1) {
 		t.Fatal("a barrier for the first frame waits for the second")
@@ -266,7 +267,7 @@ func TestCoreFaultCancelsQueuedNotInflight(t *testing.T) {
 		t.Fatal("settled before the faulted page was confirmed")
 	}
 	c.settle(0, 1, 1, Resident)
-	c.answered(1)
+	c.answered(cache.Run{Table: 0, First: 0, N: 1})
 	c.settle(0, 0, 1, Resident)
 	if !settledThrough(b, seq) || b.status.Resident != 2 {
 		t.Fatalf("status %+v", b.status)
@@ -284,5 +285,75 @@ func TestCoreDrainFailsQueuedWork(t *testing.T) {
 	}
 	if runs := nextAll(c, 100); len(runs) != 0 {
 		t.Fatalf("claimed %v after drain", runs)
+	}
+}
+
+// Prefill work fills the in-flight budget; a decode step that arrives then
+// is claimed at once, up to its own bound, and not past it; prefill gets
+// no slot while decode holds the budget's worth.
+func TestCoreDecodeDoesNotWaitForPrefillSlots(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 1000, decodeInflight: 4})
+	pre, dec := NewBarrier(), NewBarrier()
+	submit(c, pre, false, true, pageRun{0, 0, 100})
+	const budget = 8
+	if runs := nextAll(c, budget); len(pages(runs)) != budget {
+		t.Fatalf("prefill claimed %v, want %d pages", runs, budget)
+	}
+	submit(c, dec, true, true, pageRun{0, 200, 10})
+	decode, prefill := c.next(budget - c.inflight) // nothing left of the budget
+	if len(pages(decode)) != 4 || len(prefill) != 0 {
+		t.Fatalf("with the budget full of prefill: decode %v, prefill %v; want 4 decode pages", decode, prefill)
+	}
+	if decode, prefill := c.next(budget - c.inflight); len(decode)+len(prefill) != 0 {
+		t.Fatalf("past the decode bound: decode %v, prefill %v; want nothing", decode, prefill)
+	}
+	// Decode answers free decode slots, not prefill ones.
+	c.answered(decode[0])
+	c.settle(decode[0].Table, decode[0].First, decode[0].N, Resident)
+	decode, prefill = c.next(budget - c.inflight)
+	if want := []cache.Run{{Table: 0, First: 204, N: 4}}; !slices.Equal(decode, want) || len(prefill) != 0 {
+		t.Fatalf("after the decode answers: decode %v, prefill %v; want %v", decode, prefill, want)
+	}
+}
+
+// decodeBusy says whether decode work is pending, pages in flight as
+// prefill that a decode step named included, and its channel closes when
+// the last of them settles, whatever the outcome.
+func TestCoreDecodeBusy(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 100})
+	pre, dec := NewBarrier(), NewBarrier()
+	if c.decodeBusy() != nil {
+		t.Fatal("busy with nothing queued")
+	}
+	submit(c, pre, false, true, pageRun{0, 0, 2})
+	if c.decodeBusy() != nil {
+		t.Fatal("busy with prefill work only")
+	}
+	inflight := nextAll(c, 1) // page 0 in flight as prefill
+	submit(c, dec, true, true, pageRun{0, 0, 1}, pageRun{0, 5, 1})
+	busy := c.decodeBusy()
+	if busy == nil {
+		t.Fatal("not busy with decode work queued")
+	}
+	decode, _ := c.next(10) // page 5, for decode
+	if want := []cache.Run{{Table: 0, First: 5, N: 1}}; !slices.Equal(decode, want) {
+		t.Fatalf("decode claimed %v, want %v", decode, want)
+	}
+	c.answered(decode[0])
+	c.settle(0, 5, 1, Failed)
+	select {
+	case <-busy:
+		t.Fatal("idle with page 0, which the decode step named, still in flight")
+	default:
+	}
+	c.answered(inflight[0])
+	c.settle(0, 0, 1, Resident)
+	select {
+	case <-busy:
+	default:
+		t.Fatal("still busy after every decode page settled")
+	}
+	if c.decodeBusy() != nil {
+		t.Fatal("busy after every decode page settled")
 	}
 }
