@@ -388,11 +388,13 @@ const admitSlice = 1024
 // step's path (the fetch loop, the read engine's completions, the pushers,
 // the barrier's reply) needs a core at every hop, and prefill admission
 // took them: a 72-row step beside four handles flooding 4M-row frames took
-// 2.2-4.3× its time alone, and the sched-latency profile had the read
-// engine's completion thread waiting for a core 35% of the time. Bounded,
-// so that a stream of decode steps slows prefill admission (to a slice
-// per decodeYield at worst) but never stops it.
-const decodeYield = 2 * time.Millisecond
+// 2.2-4.3× its time alone, and the scheduler-latency profile had the read
+// engine's completion thread waiting for a core 35% of the time; with the
+// wait, 0.8-1.1× (BenchmarkHintsDecodeBesidePrefillFlood, 500 µs, 1 ms
+// and 2 ms alike). Bounded, so that back-to-back decode steps slow prefill
+// admission but never stop it: a slice (1024 pages) per 500 µs is still
+// ~2M pages/s, past the 8 ranks × 100K rows/s a node's prefill needs.
+const decodeYield = 500 * time.Microsecond
 
 // yieldToDecode waits until busy is closed (no decode work pending), for
 // at most decodeYield, or until the prefetcher closes.
