@@ -310,6 +310,7 @@ func appendRowRuns(runs []pageRun, t *backing.Table, rows []uint64) []pageRun {
 
 // submitRuns takes out the pinned pages, then admits the rest.
 func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode bool, sig cache.Signal, frameEnd bool) {
+	start := time.Now()
 	var pinned uint64
 	if p.hot != nil {
 		var hits []cache.PageKey
@@ -350,11 +351,16 @@ func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode 
 	seq := p.c.submission(b)
 	p.c.pinned(b, pinned)
 	var buf []pageRun
+	var yielded time.Duration
 	for len(runs) > 0 {
 		if busy := p.c.decodeBusy(); busy != nil && !decode {
-			p.mu.Unlock()
-			p.yieldToDecode(busy)
-			p.mu.Lock()
+			// Never more waiting than admitting: a prefill write takes at
+			// most twice its own time, however busy decode keeps the node.
+			if allow := min(decodeYield, time.Since(start)-2*yielded); allow > 0 {
+				p.mu.Unlock()
+				yielded += p.yieldToDecode(busy, allow)
+				p.mu.Lock()
+			}
 		}
 		var slice []pageRun
 		slice, runs = splitRuns(runs, admitSlice, &buf)
@@ -391,21 +397,25 @@ const admitSlice = 1024
 // 2.2-4.3× its time alone, and the scheduler-latency profile had the read
 // engine's completion thread waiting for a core 35% of the time; with the
 // wait, 0.8-1.1× (BenchmarkHintsDecodeBesidePrefillFlood, 500 µs, 1 ms
-// and 2 ms alike). Bounded, so that back-to-back decode steps slow prefill
-// admission but never stop it: a slice (1024 pages) per 500 µs is still
-// ~2M pages/s, past the 8 ranks × 100K rows/s a node's prefill needs.
+// and 2 ms alike). Bounded twice, so that back-to-back decode steps slow
+// prefill admission but never stop it: a slice (1024 pages) per 500 µs at
+// most, and never more waiting than admitting in one part, so a prefill
+// write takes at most about twice its own time.
 const decodeYield = 500 * time.Microsecond
 
 // yieldToDecode waits until busy is closed (no decode work pending), for
-// at most decodeYield, or until the prefetcher closes.
-func (p *Prefetcher) yieldToDecode(busy <-chan struct{}) {
-	t := time.NewTimer(decodeYield)
+// at most d, or until the prefetcher closes, and returns how long it
+// waited.
+func (p *Prefetcher) yieldToDecode(busy <-chan struct{}, d time.Duration) time.Duration {
+	start := time.Now()
+	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-busy:
 	case <-t.C:
 	case <-p.quit:
 	}
+	return time.Since(start)
 }
 
 // splitRuns cuts the first n pages off runs. A run cut in two is cut in
