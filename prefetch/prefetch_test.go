@@ -6,6 +6,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/cache"
@@ -353,5 +354,42 @@ func TestSplitRuns(t *testing.T) {
 	}
 	if !slices.Equal(got, want) {
 		t.Fatalf("pages %v, want %v", got, want)
+	}
+}
+
+// Prefill admission gives way to pending decode work but is never stopped
+// by it: with a decode page that never settles (its read is held), a
+// prefill frame of many slices is still admitted, whole.
+func TestPrefillAdmittedWhileDecodePending(t *testing.T) {
+	m := testModel(t, 200000)
+	st := &stats.Counters{}
+	st.SetLayers(m.Layers)
+	br := blockingReader{release: make(chan struct{})}
+	p := New(Config{InflightPages: 1, PrefillQueuePages: 1 << 20}, m, cache.NewLoader(br, m.Tables, st), &countingPusher{}, nil, st, nil)
+	defer func() { close(br.release); p.Close() }()
+	p.Submit(hints.Decode, 0, []uint64{1}, NewBarrier())
+	p.mu.Lock()
+	busy := p.c.decodeBusy() != nil
+	p.mu.Unlock()
+	if !busy {
+		t.Fatal("a decode page is pending, yet decode is not busy")
+	}
+	rows := make([]uint64, 50*admitSlice)
+	for i := range rows {
+		rows[i] = uint64(i) * 2
+	}
+	b := NewBarrier()
+	done := make(chan struct{})
+	go func() { p.Submit(hints.Prefill, 0, rows, b); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatal("prefill admission stopped behind a decode page that never settles")
+	}
+	p.mu.Lock()
+	named := b.status.Pages
+	p.mu.Unlock()
+	if named < uint64(len(rows)) {
+		t.Fatalf("%d pages admitted, want at least %d", named, len(rows))
 	}
 }
