@@ -72,15 +72,22 @@ func heapInUse() uint64 {
 	return ms.HeapInuse
 }
 
-// Naming the same rows again costs nothing: 100 prefill frames of the same
-// 50K rows hold what one frame holds (target: growth under 8 MiB).
-func TestHeapIndependentOfMentions(t *testing.T) {
-	m := testModel(t, 200000)
+// heldPrefetcher is a prefetcher of m whose backing reads are held until
+// the test ends: what it queues stays queued or in flight.
+func heldPrefetcher(t *testing.T, m *backing.Model) *Prefetcher {
 	st := &stats.Counters{}
 	st.SetLayers(m.Layers)
 	br := blockingReader{release: make(chan struct{})}
 	p := New(Config{InflightPages: 1, PrefillQueuePages: 1 << 20}, m, cache.NewLoader(br, m.Tables, st), &countingPusher{}, nil, st, nil)
-	defer func() { close(br.release); p.Close() }()
+	t.Cleanup(func() { close(br.release); p.Close() })
+	return p
+}
+
+// Naming the same rows again costs nothing: 100 prefill frames of the same
+// 50K rows hold what one frame holds (target: growth under 8 MiB).
+func TestHeapIndependentOfMentions(t *testing.T) {
+	m := testModel(t, 200000)
+	p := heldPrefetcher(t, m)
 	rows := make([]uint64, 50000)
 	for i := range rows {
 		rows[i] = uint64(i) * 4 // one page each, none adjacent
@@ -102,11 +109,7 @@ func TestHeapIndependentOfMentions(t *testing.T) {
 // A 4M-row frame of one repeated row costs what one row's pages cost.
 func TestRepeatedRowFrameCostsOneRow(t *testing.T) {
 	m := testModel(t, 1000)
-	st := &stats.Counters{}
-	st.SetLayers(m.Layers)
-	br := blockingReader{release: make(chan struct{})}
-	p := New(Config{InflightPages: 1, PrefillQueuePages: 1 << 20}, m, cache.NewLoader(br, m.Tables, st), &countingPusher{}, nil, st, nil)
-	defer func() { close(br.release); p.Close() }()
+	p := heldPrefetcher(t, m)
 	rows := make([]uint64, hints.MaxRowsPerFrame)
 	for i := range rows {
 		rows[i] = 7
@@ -362,11 +365,7 @@ func TestSplitRuns(t *testing.T) {
 // prefill frame of many slices is still admitted, whole.
 func TestPrefillAdmittedWhileDecodePending(t *testing.T) {
 	m := testModel(t, 200000)
-	st := &stats.Counters{}
-	st.SetLayers(m.Layers)
-	br := blockingReader{release: make(chan struct{})}
-	p := New(Config{InflightPages: 1, PrefillQueuePages: 1 << 20}, m, cache.NewLoader(br, m.Tables, st), &countingPusher{}, nil, st, nil)
-	defer func() { close(br.release); p.Close() }()
+	p := heldPrefetcher(t, m)
 	p.Submit(hints.Decode, 0, []uint64{1}, NewBarrier())
 	p.mu.Lock()
 	busy := p.c.decodeBusy() != nil
