@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/engramfs/engramfs/hints/client"
+	"github.com/engramfs/engramfs/internal/procfs"
 )
 
 // Eight rank processes on one node, each hinting its decode steps (72
@@ -58,13 +59,32 @@ func BenchmarkHintsEightRanks(b *testing.B) {
 	work := rankWork{Mount: d.Mountpoint, Ranks: ranks, RowsTotal: uint64(spec.Rows), Layers: spec.Layers,
 		Steps: 200, ChunkRows: 3000, ChunkEvery: 4, ComputeMs: 5}
 
+	// The daemon's CPU in each phase, in cores: near the node's two, the
+	// ranks wait for the daemon's capacity, not for its scheduling.
+	cpu := func(run func()) float64 {
+		c0, err := procfs.CPU(d.Pid())
+		if err != nil {
+			b.Fatal(err)
+		}
+		t0 := time.Now()
+		run()
+		c1, err := procfs.CPU(d.Pid())
+		if err != nil {
+			b.Fatal(err)
+		}
+		return float64(c1-c0) / float64(time.Since(t0))
+	}
 	alone := work
 	alone.Salt = 1
-	single := runRanks(b, alone, 1)[0]
+	var single rankResult
+	aloneCPU := cpu(func() { single = runRanks(b, alone, 1)[0] })
 
 	all := work
 	all.Salt = 2
-	results := runRanks(b, all, ranks)
+	var results []rankResult
+	allCPU := cpu(func() { results = runRanks(b, all, ranks) })
+	b.ReportMetric(aloneCPU, "alone-daemon-cores")
+	b.ReportMetric(allCPU, "ranks-daemon-cores")
 
 	q := func(us []int64, q float64) float64 {
 		s := slices.Clone(us)
