@@ -406,6 +406,13 @@ func (c *core) next(budget int) (decode, prefill []cache.Run) {
 		}
 	}
 	budget -= claimed - dbudget
+	if c.decodeWanted > 0 && c.cfg.decodeInflight > 0 {
+		// While decode work is pending, prefill keeps to a quarter of
+		// the decode bound: the read engine serves reads in the order
+		// they came, so every prefill read handed over now is one more a
+		// decode read of this step may queue behind.
+		budget = min(budget, c.cfg.decodeInflight/4-(c.inflight-c.inflightDecode))
+	}
 	decode = out
 	out = nil
 	for budget > 0 && c.prefill.len() > 0 {

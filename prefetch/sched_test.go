@@ -357,3 +357,25 @@ func TestCoreDecodeBusy(t *testing.T) {
 		t.Fatal("busy after every decode page settled")
 	}
 }
+
+// While decode work is pending, prefill work keeps to a quarter of the
+// decode bound in flight; once it has settled, prefill has the whole budget
+// again.
+func TestCorePrefillYieldsSlotsWhileDecodePending(t *testing.T) {
+	c := newCore(coreConfig{prefillPages: 1000, decodeInflight: 8})
+	pre, dec := NewBarrier(), NewBarrier()
+	submit(c, pre, false, true, pageRun{0, 0, 100})
+	submit(c, dec, true, true, pageRun{0, 500, 1})
+	decode, prefill := c.next(16)
+	if len(pages(decode)) != 1 || len(pages(prefill)) != 2 {
+		t.Fatalf("with decode pending: decode %v, prefill %v; want 1 page and 2", decode, prefill)
+	}
+	if decode, prefill := c.next(16 - c.inflight); len(decode)+len(prefill) != 0 {
+		t.Fatalf("prefill past its share while decode is pending: %v %v", decode, prefill)
+	}
+	c.answered(decode[0])
+	c.settle(0, 500, 1, Resident)
+	if _, prefill := c.next(16 - c.inflight); len(pages(prefill)) != 14 {
+		t.Fatalf("after decode settled: prefill %v, want 14 pages", prefill)
+	}
+}
