@@ -44,10 +44,13 @@ type rankWork struct {
 	Salt       uint64 // which rows are popular: a run's own, so another run's pinned rows do not help it
 }
 
-// rankResult is what a rank reports: each measured barrier, in µs.
+// rankResult is what a rank reports, in µs: each measured decode step
+// (hint + barrier) and each prefill chunk's writes (its hint only: nobody
+// waits for prefill, but the rank's thread is in write(2) meanwhile).
 type rankResult struct {
 	Rank      int
 	BarrierUs []int64
+	PrefillUs []int64
 }
 
 const rankEnv = "ENGRAMFS_RANK_HELPER"
@@ -92,13 +95,16 @@ func BenchmarkHintsEightRanks(b *testing.B) {
 		return float64(s[min(len(s)-1, int(q*float64(len(s))))]) / 1000
 	}
 	base := q(single.BarrierUs, 0.99)
-	worst, worstP50 := 0.0, 0.0
+	worst, worstP50, worstPrefill := 0.0, 0.0, 0.0
 	for _, r := range results {
 		v := q(r.BarrierUs, 0.99)
 		worst = max(worst, v)
 		worstP50 = max(worstP50, q(r.BarrierUs, 0.5))
+		worstPrefill = max(worstPrefill, q(r.PrefillUs, 0.99))
 		b.ReportMetric(v, fmt.Sprintf("rank%d-p99-ms", r.Rank))
 	}
+	b.ReportMetric(q(single.PrefillUs, 0.99), "alone-prefill-write-p99-ms")
+	b.ReportMetric(worstPrefill, "worst-prefill-write-p99-ms")
 	b.ReportMetric(q(single.BarrierUs, 0.5), "alone-p50-ms")
 	b.ReportMetric(base, "alone-p99-ms")
 	b.ReportMetric(worst, "worst-p99-ms")
@@ -191,6 +197,7 @@ func TestHintsRankHelper(t *testing.T) {
 	res := rankResult{Rank: w.Rank}
 	for step := range warmup + w.Steps {
 		if step%w.ChunkEvery == 0 { // the next chunk's rows, hinted a chunk ahead
+			t0 := time.Now()
 			for layer := range w.Layers {
 				chunk := make([]uint64, w.ChunkRows)
 				for i := range chunk {
@@ -199,6 +206,9 @@ func TestHintsRankHelper(t *testing.T) {
 				if err := pre.Prefill(layer, chunk); err != nil {
 					t.Fatal(err)
 				}
+			}
+			if step >= warmup {
+				res.PrefillUs = append(res.PrefillUs, time.Since(t0).Microseconds())
 			}
 		}
 		t0 := time.Now()
