@@ -410,8 +410,9 @@ func (c *core) next(budget int) (decode, prefill []cache.Run) {
 		// While decode work is pending, prefill keeps to a quarter of
 		// the decode bound: the read engine serves reads in the order
 		// they came, so every prefill read handed over now is one more a
-		// decode read of this step may queue behind.
-		budget = min(budget, c.cfg.decodeInflight/4-(c.inflight-c.inflightDecode))
+		// decode read of this step may queue behind. One page at least:
+		// prefill always moves.
+		budget = min(budget, max(c.cfg.decodeInflight/4, 1)-(c.inflight-c.inflightDecode))
 	}
 	decode = out
 	out = nil
