@@ -164,3 +164,65 @@ func TestFaultWindow(t *testing.T) {
 		}
 	}
 }
+
+// TestPinnerAuditWidensTheTrim: where faults map beyond the window the
+// pinner trims (here narrowed to 2 pages, against the kernel's 16), and
+// the cached neighbours have gaps, so that the probes either side of the
+// window see nothing, trims leave neighbours locked until an audit (the
+// first trim, then one in auditEvery) notices; it then unmaps what earlier
+// trims missed and trims whole page tables from then on. Locked is exact
+// after the audit, and neighbours were left locked before it (the audit
+// had something to find).
+func TestPinnerAuditWidensTheTrim(t *testing.T) {
+	const pages = 4 * tablePages
+	f := coldFile(t, pages*PageSize)
+	// Cache every fourth page: fault-around maps them, the probes (next to
+	// a 2-page window at an even page) see uncached pages.
+	fd, err := unix.Open(f.Path, unix.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Fadvise(fd, 0, 0, unix.FADV_RANDOM); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, PageSize)
+	for q := 0; q < pages; q += 4 {
+		if _, err := unix.Pread(fd, buf, int64(q)*PageSize); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p := newTestPinner(t, f)
+	p.around = 2
+	p.mmap = func(tf TableFile) ([]byte, error) { return mapSkewed(0)(tf) }
+	base := vmLck(t)
+	// The first trim is an audit: pin a page with no cached neighbour
+	// first, so that it finds nothing.
+	if err := p.Pin(PageKey{Page: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if p.wideTrim.Load() {
+		t.Fatal("the first audit found faults mapping wide around a page with no cached neighbour")
+	}
+	leaked := false
+	for i := 1; i < auditEvery+1 && !p.wideTrim.Load(); i++ {
+		pg := uint64(16*i + 8) // a cached page; its 16-page fault-around window holds 3 more
+		if err := p.Pin(PageKey{Page: pg % pages}); err != nil {
+			t.Fatal(err)
+		}
+		if vmLck(t)-base > p.PinnedPages()*PageSize {
+			leaked = true
+		}
+	}
+	if !leaked {
+		t.Fatal("no neighbour was left locked before the audit: the test does not exercise the narrow trim")
+	}
+	if !p.wideTrim.Load() {
+		t.Fatalf("no audit found the wide faults in %d trims", auditEvery+1)
+	}
+	wantLocked(t, base, int(p.PinnedPages()), "after the audit's sweep")
+	if err := p.Pin(PageKey{Page: 16*70 + 8}); err != nil {
+		t.Fatal(err)
+	}
+	wantLocked(t, base, int(p.PinnedPages()), "a pin after the audit")
+}

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -90,7 +91,10 @@ type Pinner struct {
 	inflight sync.WaitGroup // calls using a mapping; Close waits for them before munmap
 
 	pagemapOnce sync.Once
-	pagemap     *os.File // /proc/self/pagemap; nil if it cannot be read
+	pagemap     *os.File      // /proc/self/pagemap; nil if it cannot be read
+	trims       atomic.Uint64 // trimFaultAround calls, for its audits
+	wideTrim    atomic.Bool   // an audit found faults mapping beyond around
+	around      uint64        // aroundPages; tests narrow it
 
 	readers []*os.File // GUARDED_BY(mu); per table, nil until first used: readThrough's descriptor
 	readBuf sync.Pool  // *[]byte scratch for readThrough
@@ -111,7 +115,7 @@ func NewPinner(files []TableFile, log *zap.Logger) *Pinner {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: populate, mmap: mapFile, lockMapping: mlockOnFault, maps: make([][]byte, len(files)), pinned: make([][]uint64, len(files))}
+	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: populate, mmap: mapFile, lockMapping: mlockOnFault, around: aroundPages, maps: make([][]byte, len(files)), pinned: make([][]uint64, len(files))}
 	if b, err := unix.Mmap(-1, 0, PageSize, unix.PROT_READ, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err == nil {
 		if err := unix.Mlock(b); err != nil {
 			p.disable(err)
@@ -225,6 +229,17 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 // everything a fault maps besides the faulting page stays within it.
 const tablePages = 512
 
+// aroundPages is the kernel's default fault-around window (fault_around_bytes,
+// 64 KiB): a fault maps the cached pages of the window, aligned by virtual
+// address, that holds the faulting page.
+const aroundPages = 16
+
+// auditEvery: the first trim and one in this many after it read the whole
+// page tables of their run, to find out whether faults map beyond
+// aroundPages here (a raised fault_around_bytes); the pinner then unmaps
+// what earlier trims missed (sweep) and always reads whole page tables.
+const auditEvery = 64
+
 // MaxTransientPages bounds the pages locked beyond the pinned set: while a run
 // is being pinned, the cached neighbours that the populate mapped around its
 // two ends (within their page tables) are locked until trimFaultAround
@@ -241,8 +256,15 @@ const MaxTransientPages = 2 * (tablePages - 1)
 // trim of the file-aligned 64 KiB window left 6, 10 and 2 neighbours locked
 // with mapping bases 6, 10 and 2 pages past a 64 KiB boundary, and up to 241
 // with a warm ext4 file. Both stay within the page table of the faulting
-// address, so the pinner reads which pages of those page tables are mapped
-// (/proc/self/pagemap) and unmaps the ones it has not pinned.
+// address, so the pinner reads which pages are mapped (/proc/self/pagemap)
+// and unmaps the ones it has not pinned.
+//
+// It reads the run's fault-around windows and one page either side first
+// (18 entries for one page, not 1024: the whole page tables cost 9% of the
+// daemon's CPU under hinted decode). A large folio mapped whole is contiguous
+// with the faulting page, so if it reaches past the windows, the page just
+// past them is mapped: only then (or on an audit, or once an audit found
+// pages mapped beyond the windows) are the whole page tables read.
 func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
 	p.mu.RLock()
 	b := p.maps[table]
@@ -252,10 +274,43 @@ func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
 	}
 	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
 	pages := (uint64(len(b)) + PageSize - 1) / PageSize
-	lo, hi := faultWindow(base, first, n, tablePages*PageSize, pages)
-	mapped := p.mappedPages(base, lo, hi)
 	bits := p.pinned[table]
-	var runs [][2]uint64
+	lo, hi, mapped, widened := p.faultMapped(base, first, n, pages, bits)
+	runs := unpinnedRuns(nil, bits, lo, hi, mapped)
+	p.mu.RUnlock()
+	p.unmapRuns(table, b, runs)
+	if widened {
+		p.sweep()
+	}
+}
+
+// sweep unmaps every page mapped and not pinned in every table: the
+// neighbours that trims of the narrow windows missed before an audit found
+// faults mapping wider.
+func (p *Pinner) sweep() {
+	p.mu.RLock()
+	maps := slices.Clone(p.maps)
+	p.mu.RUnlock()
+	for t, b := range maps {
+		if b == nil {
+			continue
+		}
+		base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
+		pages := (uint64(len(b)) + PageSize - 1) / PageSize
+		var runs [][2]uint64
+		p.mu.RLock()
+		for lo := uint64(0); lo < pages; lo += tablePages {
+			hi := min(lo+tablePages, pages)
+			runs = unpinnedRuns(runs, p.pinned[t], lo, hi, p.mappedPages(base, lo, hi))
+		}
+		p.mu.RUnlock()
+		p.unmapRuns(uint32(t), b, runs)
+	}
+}
+
+// unpinnedRuns appends to runs the runs of pages in [lo, hi) that are mapped
+// (mapped nil: all) and not pinned in bits.
+func unpinnedRuns(runs [][2]uint64, bits []uint64, lo, hi uint64, mapped []bool) [][2]uint64 {
 	for q := lo; q < hi; q++ {
 		if bits[q/64]&(1<<(q%64)) != 0 || mapped != nil && !mapped[q-lo] {
 			continue
@@ -266,7 +321,11 @@ func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
 			runs = append(runs, [2]uint64{q, q + 1})
 		}
 	}
-	p.mu.RUnlock()
+	return runs
+}
+
+// unmapRuns unmaps (so unlocks) runs of table's mapping b.
+func (p *Pinner) unmapRuns(table uint32, b []byte, runs [][2]uint64) {
 	for _, r := range runs {
 		end := min(r[1]*PageSize, uint64(len(b)))
 		if err := unix.Madvise(b[r[0]*PageSize:end], unix.MADV_DONTNEED_LOCKED); err != nil {
@@ -274,6 +333,47 @@ func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
 				zap.Uint32("table", table), zap.Uint64("first", r[0]), zap.Uint64("pages", r[1]-r[0]), zap.Error(err))
 		}
 	}
+}
+
+// faultMapped returns the file pages [lo, hi) that populating [first,
+// first+n) of the mapping at base may have mapped, and which of them are
+// mapped (nil: unknown, treat all as mapped); bits are the table's pinned
+// pages. See trimFaultAround. SHARED_LOCKS_REQUIRED(p.mu)
+func (p *Pinner) faultMapped(base, first, n, pages uint64, bits []uint64) (lo, hi uint64, mapped []bool, widened bool) {
+	audit := !p.wideTrim.Load() && p.trims.Add(1)%auditEvery == 1
+	lo, hi = faultWindow(base, first, n, tablePages*PageSize, pages)
+	// The windows and one page either side of them within the page
+	// tables (a folio is mapped whole only within its page table).
+	nlo, nhi := faultWindow(base, first, n, p.around*PageSize, pages)
+	plo, phi := nlo, nhi
+	if plo > lo {
+		plo--
+	}
+	if phi < hi {
+		phi++
+	}
+	if !audit && !p.wideTrim.Load() {
+		m := p.mappedPages(base, plo, phi)
+		if m != nil && !(plo < nlo && m[0]) && !(phi > nhi && m[len(m)-1]) {
+			return nlo, nhi, m[nlo-plo : nhi-plo], false
+		}
+		// Unknown, or a folio may reach past the windows.
+	}
+	mapped = p.mappedPages(base, lo, hi)
+	if audit && mapped != nil && !(plo < nlo && mapped[plo-lo]) && !(phi > nhi && mapped[phi-1-lo]) {
+		// Nothing reaches the probes, so nothing should be mapped and
+		// unpinned beyond them; if something is, faults map wider here.
+		for q := lo; q < hi; q++ {
+			if (q < plo || q >= phi) && mapped[q-lo] && bits[q/64]&(1<<(q%64)) == 0 {
+				p.wideTrim.Store(true)
+				widened = true
+				p.log.Warn("faults map pages beyond the 64 KiB fault-around window here (fault_around_bytes raised?); the pinner reads whole page tables from now on",
+					zap.Uint64("page", q))
+				break
+			}
+		}
+	}
+	return lo, hi, mapped, widened
 }
 
 // mappedPages reports, for file pages [lo, hi) of the mapping at base,
@@ -289,7 +389,12 @@ func (p *Pinner) mappedPages(base, lo, hi uint64) []bool {
 	if p.pagemap == nil {
 		return nil
 	}
-	buf := make([]byte, 8*(hi-lo))
+	var small [8 * (aroundPages + 2)]byte
+	buf := small[:]
+	if 8*(hi-lo) > uint64(len(small)) {
+		buf = make([]byte, 8*(hi-lo))
+	}
+	buf = buf[:8*(hi-lo)]
 	if _, err := p.pagemap.ReadAt(buf, int64((base/PageSize+lo)*8)); err != nil {
 		return nil
 	}
