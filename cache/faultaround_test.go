@@ -3,6 +3,7 @@ package cache
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"unsafe"
 
@@ -225,4 +226,48 @@ func TestPinnerAuditWidensTheTrim(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantLocked(t, base, int(p.PinnedPages()), "a pin after the audit")
+}
+
+// TestReachesPast: the probe for a folio reaching past the fault-around
+// windows steps over pages we pinned (mapped anyway) to the first one we
+// did not, and needs none at a page table's end.
+func TestReachesPast(t *testing.T) {
+	// Windows [16, 32) in page table [0, 512); probes [8, 40).
+	const plo, nlo, nhi, phi, lo, hi = 8, 16, 32, 40, 0, 512
+	for _, tc := range []struct {
+		name    string
+		mapped  []uint64 // pages mapped outside the windows
+		pinned  []uint64
+		reaches bool
+	}{
+		{"nothing mapped around", nil, nil, false},
+		{"the page below mapped", []uint64{15}, nil, true},
+		{"the page above mapped", []uint64{32}, nil, true},
+		{"pinned neighbours, then unmapped", []uint64{15, 14, 32}, []uint64{15, 14, 32}, false},
+		{"pinned neighbours, then mapped", []uint64{15, 14, 13}, []uint64{15, 14}, true},
+		{"pinned up to the slack", []uint64{32, 33, 34, 35, 36, 37, 38, 39}, []uint64{32, 33, 34, 35, 36, 37, 38, 39}, true},
+		{"mapped beyond the probe only", []uint64{12}, nil, false},
+	} {
+		m := make([]bool, phi-plo)
+		for _, q := range tc.mapped {
+			m[q-plo] = true
+		}
+		pinned := func(q uint64) bool { return slices.Contains(tc.pinned, q) }
+		if got := reachesPast(m, plo, nlo, nhi, phi, lo, hi, pinned); got != tc.reaches {
+			t.Errorf("%s: reachesPast = %v, want %v", tc.name, got, tc.reaches)
+		}
+	}
+	// At a page table's ends there is nothing to probe.
+	m := make([]bool, 16)
+	if reachesPast(m, 0, 0, 16, 16, 0, 16, func(uint64) bool { return false }) {
+		t.Error("a window filling its page table reaches past it")
+	}
+	allPinned := func(uint64) bool { return true }
+	m = make([]bool, 24)
+	for i := range m {
+		m[i] = true
+	}
+	if reachesPast(m, 0, 8, 24, 24, 0, 24, allPinned) {
+		t.Error("pinned pages down to the page table's start: reported reaching past")
+	}
 }

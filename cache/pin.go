@@ -342,25 +342,19 @@ func (p *Pinner) unmapRuns(table uint32, b []byte, runs [][2]uint64) {
 func (p *Pinner) faultMapped(base, first, n, pages uint64, bits []uint64) (lo, hi uint64, mapped []bool, widened bool) {
 	audit := !p.wideTrim.Load() && p.trims.Add(1)%auditEvery == 1
 	lo, hi = faultWindow(base, first, n, tablePages*PageSize, pages)
-	// The windows and one page either side of them within the page
-	// tables (a folio is mapped whole only within its page table).
+	// The windows and up to probeSlack pages either side of them within the
+	// page tables (a folio is mapped whole only within its page table).
 	nlo, nhi := faultWindow(base, first, n, p.around*PageSize, pages)
-	plo, phi := nlo, nhi
-	if plo > lo {
-		plo--
-	}
-	if phi < hi {
-		phi++
-	}
+	plo, phi := max(lo, nlo-min(nlo, probeSlack)), min(hi, nhi+probeSlack)
+	pinned := func(q uint64) bool { return bits[q/64]&(1<<(q%64)) != 0 }
 	if !audit && !p.wideTrim.Load() {
-		m := p.mappedPages(base, plo, phi)
-		if m != nil && !(plo < nlo && m[0]) && !(phi > nhi && m[len(m)-1]) {
+		if m := p.mappedPages(base, plo, phi); m != nil && !reachesPast(m, plo, nlo, nhi, phi, lo, hi, pinned) {
 			return nlo, nhi, m[nlo-plo : nhi-plo], false
 		}
 		// Unknown, or a folio may reach past the windows.
 	}
 	mapped = p.mappedPages(base, lo, hi)
-	if audit && mapped != nil && !(plo < nlo && mapped[plo-lo]) && !(phi > nhi && mapped[phi-1-lo]) {
+	if audit && mapped != nil && !reachesPast(mapped[plo-lo:phi-lo], plo, nlo, nhi, phi, lo, hi, pinned) {
 		// Nothing reaches the probes, so nothing should be mapped and
 		// unpinned beyond them; if something is, faults map wider here.
 		for q := lo; q < hi; q++ {
@@ -376,6 +370,32 @@ func (p *Pinner) faultMapped(base, first, n, pages uint64, bits []uint64) (lo, h
 	return lo, hi, mapped, widened
 }
 
+// probeSlack bounds how far past the fault-around windows the pinner looks
+// for the first page it has not pinned (its probe); see reachesPast.
+const probeSlack = 24
+
+// reachesPast reports whether a large folio that the run's faults mapped may
+// reach past the windows [nlo, nhi), from m, the mapped state of pages [plo,
+// phi) around them, within page tables [lo, hi). A folio mapped whole is
+// contiguous with its faulting page, so going outward from the windows, the
+// first page not pinned by us is mapped if the folio reaches it; if that page
+// is unmapped, the folio stops before it. Pinned pages are mapped anyway and
+// say nothing, so they are stepped over; past probeSlack of them it gives up
+// (true). A window that ends at its page table's end needs no probe there.
+func reachesPast(m []bool, plo, nlo, nhi, phi, lo, hi uint64, pinned func(uint64) bool) bool {
+	side := func(q uint64, step int, stop, edge uint64) bool {
+		for ; q != stop; q = uint64(int64(q) + int64(step)) {
+			if !pinned(q) {
+				return m[q-plo]
+			}
+		}
+		return stop != edge // ran out of probes before the page table's end
+	}
+	below := nlo > lo && side(nlo-1, -1, plo-1, lo-1)
+	above := nhi < hi && side(nhi, 1, phi, hi)
+	return below || above
+}
+
 // mappedPages reports, for file pages [lo, hi) of the mapping at base,
 // whether each is mapped (present in /proc/self/pagemap); nil if pagemap
 // cannot be read (then every page is treated as mapped).
@@ -389,7 +409,7 @@ func (p *Pinner) mappedPages(base, lo, hi uint64) []bool {
 	if p.pagemap == nil {
 		return nil
 	}
-	var small [8 * (aroundPages + 2)]byte
+	var small [8 * (aroundPages + 2*probeSlack)]byte
 	buf := small[:]
 	if 8*(hi-lo) > uint64(len(small)) {
 		buf = make([]byte, 8*(hi-lo))
