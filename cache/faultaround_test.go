@@ -271,3 +271,53 @@ func TestReachesPast(t *testing.T) {
 		t.Error("pinned pages down to the page table's start: reported reaching past")
 	}
 }
+
+// TestPinnerExactFaults: where the kernel allows it (exact.go), the
+// pinner's own mapping faults single pages: pinning pages and runs of a
+// warm file (large folios, every neighbour cached) locks exactly them with
+// no trim at all; with exact faults off (the fallback) the same pins need
+// the trim. The test says which it measured.
+func TestPinnerExactFaults(t *testing.T) {
+	f := warmFile(t, 1024)
+	p := newTestPinner(t, f)
+	base := vmLck(t)
+	if err := p.Pin(PageKey{Page: 300}); err != nil {
+		t.Fatal(err)
+	}
+	p.mu.RLock()
+	exact := p.exact[0]
+	p.mu.RUnlock()
+	if !exact {
+		if kernelAtLeast(6, 12) && os.Geteuid() == 0 {
+			t.Fatal("exact faults unavailable on a 6.12+ kernel as root (userfaultfd write-protect, UFFD_FEATURE_WP_ASYNC): see the log")
+		}
+		t.Skip("exact faults unavailable before 6.12 or without root; the trim is tested by the other pinner tests")
+	}
+	wantLocked(t, base, 1, "one page pinned")
+	for _, r := range [][2]uint64{{40, 1}, {41, 7}, {511, 2}, {700, 100}} {
+		if err := p.PinRun(0, r[0], r[1]); err != nil {
+			t.Fatal(err)
+		}
+		wantLocked(t, base, int(p.PinnedPages()), "a run pinned")
+	}
+	if err := p.UnpinRun(0, 700, 50); err != nil {
+		t.Fatal(err)
+	}
+	wantLocked(t, base, int(p.PinnedPages()), "half a run unpinned")
+	if got := p.pagemaps.Load(); got != 1 {
+		t.Errorf("%d pagemap reads for %d pins of an exact mapping, want 1 (the first pin's audit)", got, p.trims.Load())
+	}
+
+	// The same pins without exact faults map (so lock) neighbours, which
+	// only the trim takes back: the exact path is what kept them out.
+	q := newTestPinner(t, warmFile(t, 1024))
+	q.noExact = true
+	q.trimOff = true
+	base = vmLck(t)
+	if err := q.Pin(PageKey{Page: 300}); err != nil {
+		t.Fatal(err)
+	}
+	if got := vmLck(t) - base; got <= PageSize {
+		t.Fatalf("without exact faults or trim, pinning a page of a warm file locked %d bytes: the check above proves nothing here", got)
+	}
+}

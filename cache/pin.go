@@ -93,8 +93,15 @@ type Pinner struct {
 	pagemapOnce sync.Once
 	pagemap     *os.File      // /proc/self/pagemap; nil if it cannot be read
 	trims       atomic.Uint64 // trimFaultAround calls, for its audits
+	pagemaps    atomic.Uint64 // pagemap reads (tests)
 	wideTrim    atomic.Bool   // an audit found faults mapping beyond around
 	around      uint64        // aroundPages; tests narrow it
+
+	exact     []bool // GUARDED_BY(mu); per table: its mapping faults single pages (exact.go), no trim needed
+	noExact   bool   // tests: always trim
+	trimOff   bool   // tests: never trim
+	exactOnce sync.Once
+	exactFD   int // the userfaultfd of the exact mappings; -1 if none
 
 	readers []*os.File // GUARDED_BY(mu); per table, nil until first used: readThrough's descriptor
 	readBuf sync.Pool  // *[]byte scratch for readThrough
@@ -115,7 +122,7 @@ func NewPinner(files []TableFile, log *zap.Logger) *Pinner {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: populate, mmap: mapFile, lockMapping: mlockOnFault, around: aroundPages, maps: make([][]byte, len(files)), pinned: make([][]uint64, len(files))}
+	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: populate, mmap: mapFile, lockMapping: mlockOnFault, around: aroundPages, maps: make([][]byte, len(files)), pinned: make([][]uint64, len(files)), exact: make([]bool, len(files)), exactFD: -1}
 	if b, err := unix.Mmap(-1, 0, PageSize, unix.PROT_READ, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err == nil {
 		if err := unix.Mlock(b); err != nil {
 			p.disable(err)
@@ -268,13 +275,30 @@ const MaxTransientPages = 2 * (tablePages - 1)
 func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
 	p.mu.RLock()
 	b := p.maps[table]
-	if b == nil {
+	if b == nil || p.trimOff {
 		p.mu.RUnlock()
 		return
 	}
 	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
 	pages := (uint64(len(b)) + PageSize - 1) / PageSize
 	bits := p.pinned[table]
+	if p.exact[table] && !p.wideTrim.Load() {
+		// Nothing to trim; an audit checks that now and then.
+		var runs [][2]uint64
+		if p.trims.Add(1)%auditEvery == 1 {
+			lo, hi := faultWindow(base, first, n, tablePages*PageSize, pages)
+			runs = unpinnedRuns(nil, bits, lo, hi, p.mappedPages(base, lo, hi))
+		}
+		p.mu.RUnlock()
+		if len(runs) > 0 {
+			p.wideTrim.Store(true)
+			p.log.Warn("exact faults mapped pages that were not asked for; the pinner reads whole page tables from now on",
+				zap.Uint32("table", table), zap.Uint64("page", runs[0][0]))
+			p.unmapRuns(table, b, runs)
+			p.sweep()
+		}
+		return
+	}
 	lo, hi, mapped, widened := p.faultMapped(base, first, n, pages, bits)
 	runs := unpinnedRuns(nil, bits, lo, hi, mapped)
 	p.mu.RUnlock()
@@ -409,6 +433,7 @@ func (p *Pinner) mappedPages(base, lo, hi uint64) []bool {
 	if p.pagemap == nil {
 		return nil
 	}
+	p.pagemaps.Add(1)
 	var small [8 * (aroundPages + 2*probeSlack)]byte
 	buf := small[:]
 	if 8*(hi-lo) > uint64(len(small)) {
@@ -530,6 +555,10 @@ func (p *Pinner) Close() error {
 	if p.pagemap != nil {
 		_ = p.pagemap.Close()
 	}
+	if p.exactFD >= 0 { // after the munmaps: closing it unregisters them
+		_ = unix.Close(p.exactFD)
+		p.exactFD = -1
+	}
 	return errors.Join(errs...)
 }
 
@@ -635,10 +664,12 @@ func (p *Pinner) run(table uint32, first, n uint64, create bool) ([]byte, error)
 			p.disable(fmt.Errorf("mlock2(MLOCK_ONFAULT) of %s (%d bytes): %w", f.Path, len(m), err))
 			return nil, ErrPinUnavailable
 		}
+		exact := p.makeExact(f, m)
 		p.mu.Lock()
 		if b = p.maps[table]; b == nil {
 			p.maps[table], b = m, m
 			p.pinned[table] = make([]uint64, (uint64(len(m))/PageSize+64)/64)
+			p.exact[table] = exact
 		} else {
 			_ = unix.Munmap(m) // another call mapped it first
 		}
@@ -654,17 +685,48 @@ func mapFile(f TableFile) ([]byte, error) {
 		return nil, fmt.Errorf("open %s: %w", f.Path, err)
 	}
 	defer unix.Close(fd) // the mapping keeps its own reference to the file
-	b, err := unix.Mmap(fd, 0, int(f.Size), unix.PROT_READ, unix.MAP_SHARED)
+	// Private, so that it may be registered for exact faults (exact.go); a
+	// read-only private mapping maps the page cache's own pages.
+	b, err := unix.Mmap(fd, 0, int(f.Size), unix.PROT_READ, unix.MAP_PRIVATE)
 	if err != nil {
 		return nil, fmt.Errorf("mmap %s (%d bytes): %w", f.Path, f.Size, err)
 	}
 	// Without MADV_RANDOM, the fault that mlock takes on a cold page reads
 	// ahead around it (up to 128 KiB): pinning one page would read 32.
-	if err := unix.Madvise(b, unix.MADV_RANDOM); err != nil {
-		_ = unix.Munmap(b)
-		return nil, fmt.Errorf("madvise %s (MADV_RANDOM): %w", f.Path, err)
+	// Without MADV_NOHUGEPAGE, a fault on a page of a 2 MiB folio maps (so
+	// locks) the whole folio with one PMD, exact faults or not.
+	for _, advice := range []int{unix.MADV_RANDOM, unix.MADV_NOHUGEPAGE} {
+		if err := unix.Madvise(b, advice); err != nil {
+			_ = unix.Munmap(b)
+			return nil, fmt.Errorf("madvise %s (%d): %w", f.Path, advice, err)
+		}
 	}
 	return b, nil
+}
+
+// makeExact registers the new mapping m of f for exact faults (exact.go),
+// opening the userfaultfd on first use; false (the pinner trims) where the
+// kernel refuses, said once in the log.
+func (p *Pinner) makeExact(f TableFile, m []byte) bool {
+	if p.noExact {
+		return false
+	}
+	p.exactOnce.Do(func() {
+		fd, err := newExactFaults()
+		if err != nil {
+			p.log.Info("pinned pages' fault-around neighbours are unmapped after each pin (exact faults unavailable)", zap.Error(err))
+			return
+		}
+		p.exactFD = fd
+	})
+	if p.exactFD < 0 {
+		return false
+	}
+	if err := registerExact(p.exactFD, m); err != nil {
+		p.log.Info("pinned pages' fault-around neighbours are unmapped after each pin (exact faults refused)", zap.String("table", f.Path), zap.Error(err))
+		return false
+	}
+	return true
 }
 
 // mlockOnFault is mlock2(MLOCK_ONFAULT): pages of b are locked as they get
