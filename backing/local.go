@@ -249,7 +249,7 @@ func (sf *localShard) Submit(reads ...*ShardRead) {
 		}
 		buf := sf.bufs.get(int(end-start), sf.memAl)
 		bytes += uint64(len(buf))
-		reqs[i] = &ioengine.Req{Fd: sf.fd, Off: start, Buf: buf, Done: func(n int, err error) {
+		reqs[i] = &ioengine.Req{Fd: sf.fd, Off: start, Buf: buf, Demand: r.Demand, Done: func(n int, err error) {
 			data, err := sf.complete(r, start, buf, n, err)
 			sf.inflight.Done()
 			r.Done(data, err)
