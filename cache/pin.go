@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -90,7 +91,17 @@ type Pinner struct {
 	inflight sync.WaitGroup // calls using a mapping; Close waits for them before munmap
 
 	pagemapOnce sync.Once
-	pagemap     *os.File // /proc/self/pagemap; nil if it cannot be read
+	pagemap     *os.File      // /proc/self/pagemap; nil if it cannot be read
+	trims       atomic.Uint64 // trimFaultAround calls, for its audits
+	pagemaps    atomic.Uint64 // pagemap reads (tests)
+	wideTrim    atomic.Bool   // an audit found faults mapping beyond around
+	around      uint64        // aroundPages; tests narrow it
+
+	exact     []bool // GUARDED_BY(mu); per table: its mapping faults single pages (exact.go), no trim needed
+	noExact   bool   // tests: always trim
+	trimOff   bool   // tests: never trim
+	exactOnce sync.Once
+	exactFD   int // the userfaultfd of the exact mappings; -1 if none
 
 	readers []*os.File // GUARDED_BY(mu); per table, nil until first used: readThrough's descriptor
 	readBuf sync.Pool  // *[]byte scratch for readThrough
@@ -111,7 +122,7 @@ func NewPinner(files []TableFile, log *zap.Logger) *Pinner {
 	if log == nil {
 		log = zap.NewNop()
 	}
-	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: populate, mmap: mapFile, lockMapping: mlockOnFault, maps: make([][]byte, len(files)), pinned: make([][]uint64, len(files))}
+	p := &Pinner{files: files, log: log, capLock: hasCapIPCLock(), mlock: populate, mmap: mapFile, lockMapping: mlockOnFault, around: aroundPages, maps: make([][]byte, len(files)), pinned: make([][]uint64, len(files)), exact: make([]bool, len(files)), exactFD: -1}
 	if b, err := unix.Mmap(-1, 0, PageSize, unix.PROT_READ, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err == nil {
 		if err := unix.Mlock(b); err != nil {
 			p.disable(err)
@@ -225,6 +236,17 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 // everything a fault maps besides the faulting page stays within it.
 const tablePages = 512
 
+// aroundPages is the kernel's default fault-around window (fault_around_bytes,
+// 64 KiB): a fault maps the cached pages of the window, aligned by virtual
+// address, that holds the faulting page.
+const aroundPages = 16
+
+// auditEvery: the first trim and one in this many after it read the whole
+// page tables of their run, to find out whether faults map beyond
+// aroundPages here (a raised fault_around_bytes); the pinner then unmaps
+// what earlier trims missed (sweep) and always reads whole page tables.
+const auditEvery = 64
+
 // MaxTransientPages bounds the pages locked beyond the pinned set: while a run
 // is being pinned, the cached neighbours that the populate mapped around its
 // two ends (within their page tables) are locked until trimFaultAround
@@ -241,21 +263,78 @@ const MaxTransientPages = 2 * (tablePages - 1)
 // trim of the file-aligned 64 KiB window left 6, 10 and 2 neighbours locked
 // with mapping bases 6, 10 and 2 pages past a 64 KiB boundary, and up to 241
 // with a warm ext4 file. Both stay within the page table of the faulting
-// address, so the pinner reads which pages of those page tables are mapped
-// (/proc/self/pagemap) and unmaps the ones it has not pinned.
+// address, so the pinner reads which pages are mapped (/proc/self/pagemap)
+// and unmaps the ones it has not pinned.
+//
+// It reads the run's fault-around windows and one page either side first
+// (18 entries for one page, not 1024: the whole page tables cost 9% of the
+// daemon's CPU under hinted decode). A large folio mapped whole is contiguous
+// with the faulting page, so if it reaches past the windows, the page just
+// past them is mapped: only then (or on an audit, or once an audit found
+// pages mapped beyond the windows) are the whole page tables read.
 func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
 	p.mu.RLock()
 	b := p.maps[table]
-	if b == nil {
+	if b == nil || p.trimOff {
 		p.mu.RUnlock()
 		return
 	}
 	base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
 	pages := (uint64(len(b)) + PageSize - 1) / PageSize
-	lo, hi := faultWindow(base, first, n, tablePages*PageSize, pages)
-	mapped := p.mappedPages(base, lo, hi)
 	bits := p.pinned[table]
-	var runs [][2]uint64
+	if p.exact[table] && !p.wideTrim.Load() {
+		// Nothing to trim; an audit checks that now and then.
+		var runs [][2]uint64
+		if p.trims.Add(1)%auditEvery == 1 {
+			lo, hi := faultWindow(base, first, n, tablePages*PageSize, pages)
+			runs = unpinnedRuns(nil, bits, lo, hi, p.mappedPages(base, lo, hi))
+		}
+		p.mu.RUnlock()
+		if len(runs) > 0 {
+			p.wideTrim.Store(true)
+			p.log.Warn("exact faults mapped pages that were not asked for; the pinner reads whole page tables from now on",
+				zap.Uint32("table", table), zap.Uint64("page", runs[0][0]))
+			p.unmapRuns(table, b, runs)
+			p.sweep()
+		}
+		return
+	}
+	lo, hi, mapped, widened := p.faultMapped(base, first, n, pages, bits)
+	runs := unpinnedRuns(nil, bits, lo, hi, mapped)
+	p.mu.RUnlock()
+	p.unmapRuns(table, b, runs)
+	if widened {
+		p.sweep()
+	}
+}
+
+// sweep unmaps every page mapped and not pinned in every table: the
+// neighbours that trims of the narrow windows missed before an audit found
+// faults mapping wider.
+func (p *Pinner) sweep() {
+	p.mu.RLock()
+	maps := slices.Clone(p.maps)
+	p.mu.RUnlock()
+	for t, b := range maps {
+		if b == nil {
+			continue
+		}
+		base := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
+		pages := (uint64(len(b)) + PageSize - 1) / PageSize
+		var runs [][2]uint64
+		p.mu.RLock()
+		for lo := uint64(0); lo < pages; lo += tablePages {
+			hi := min(lo+tablePages, pages)
+			runs = unpinnedRuns(runs, p.pinned[t], lo, hi, p.mappedPages(base, lo, hi))
+		}
+		p.mu.RUnlock()
+		p.unmapRuns(uint32(t), b, runs)
+	}
+}
+
+// unpinnedRuns appends to runs the runs of pages in [lo, hi) that are mapped
+// (mapped nil: all) and not pinned in bits.
+func unpinnedRuns(runs [][2]uint64, bits []uint64, lo, hi uint64, mapped []bool) [][2]uint64 {
 	for q := lo; q < hi; q++ {
 		if bits[q/64]&(1<<(q%64)) != 0 || mapped != nil && !mapped[q-lo] {
 			continue
@@ -266,7 +345,11 @@ func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
 			runs = append(runs, [2]uint64{q, q + 1})
 		}
 	}
-	p.mu.RUnlock()
+	return runs
+}
+
+// unmapRuns unmaps (so unlocks) runs of table's mapping b.
+func (p *Pinner) unmapRuns(table uint32, b []byte, runs [][2]uint64) {
 	for _, r := range runs {
 		end := min(r[1]*PageSize, uint64(len(b)))
 		if err := unix.Madvise(b[r[0]*PageSize:end], unix.MADV_DONTNEED_LOCKED); err != nil {
@@ -274,6 +357,67 @@ func (p *Pinner) trimFaultAround(table uint32, first, n uint64) {
 				zap.Uint32("table", table), zap.Uint64("first", r[0]), zap.Uint64("pages", r[1]-r[0]), zap.Error(err))
 		}
 	}
+}
+
+// faultMapped returns the file pages [lo, hi) that populating [first,
+// first+n) of the mapping at base may have mapped, and which of them are
+// mapped (nil: unknown, treat all as mapped); bits are the table's pinned
+// pages. See trimFaultAround. SHARED_LOCKS_REQUIRED(p.mu)
+func (p *Pinner) faultMapped(base, first, n, pages uint64, bits []uint64) (lo, hi uint64, mapped []bool, widened bool) {
+	audit := !p.wideTrim.Load() && p.trims.Add(1)%auditEvery == 1
+	lo, hi = faultWindow(base, first, n, tablePages*PageSize, pages)
+	// The windows and up to probeSlack pages either side of them within the
+	// page tables (a folio is mapped whole only within its page table).
+	nlo, nhi := faultWindow(base, first, n, p.around*PageSize, pages)
+	plo, phi := max(lo, nlo-min(nlo, probeSlack)), min(hi, nhi+probeSlack)
+	pinned := func(q uint64) bool { return bits[q/64]&(1<<(q%64)) != 0 }
+	if !audit && !p.wideTrim.Load() {
+		if m := p.mappedPages(base, plo, phi); m != nil && !reachesPast(m, plo, nlo, nhi, phi, lo, hi, pinned) {
+			return nlo, nhi, m[nlo-plo : nhi-plo], false
+		}
+		// Unknown, or a folio may reach past the windows.
+	}
+	mapped = p.mappedPages(base, lo, hi)
+	if audit && mapped != nil && !reachesPast(mapped[plo-lo:phi-lo], plo, nlo, nhi, phi, lo, hi, pinned) {
+		// Nothing reaches the probes, so nothing should be mapped and
+		// unpinned beyond them; if something is, faults map wider here.
+		for q := lo; q < hi; q++ {
+			if (q < plo || q >= phi) && mapped[q-lo] && bits[q/64]&(1<<(q%64)) == 0 {
+				p.wideTrim.Store(true)
+				widened = true
+				p.log.Warn("faults map pages beyond the 64 KiB fault-around window here (fault_around_bytes raised?); the pinner reads whole page tables from now on",
+					zap.Uint64("page", q))
+				break
+			}
+		}
+	}
+	return lo, hi, mapped, widened
+}
+
+// probeSlack bounds how far past the fault-around windows the pinner looks
+// for the first page it has not pinned (its probe); see reachesPast.
+const probeSlack = 24
+
+// reachesPast reports whether a large folio that the run's faults mapped may
+// reach past the windows [nlo, nhi), from m, the mapped state of pages [plo,
+// phi) around them, within page tables [lo, hi). A folio mapped whole is
+// contiguous with its faulting page, so going outward from the windows, the
+// first page not pinned by us is mapped if the folio reaches it; if that page
+// is unmapped, the folio stops before it. Pinned pages are mapped anyway and
+// say nothing, so they are stepped over; past probeSlack of them it gives up
+// (true). A window that ends at its page table's end needs no probe there.
+func reachesPast(m []bool, plo, nlo, nhi, phi, lo, hi uint64, pinned func(uint64) bool) bool {
+	side := func(q uint64, step int, stop, edge uint64) bool {
+		for ; q != stop; q = uint64(int64(q) + int64(step)) {
+			if !pinned(q) {
+				return m[q-plo]
+			}
+		}
+		return stop != edge // ran out of probes before the page table's end
+	}
+	below := nlo > lo && side(nlo-1, -1, plo-1, lo-1)
+	above := nhi < hi && side(nhi, 1, phi, hi)
+	return below || above
 }
 
 // mappedPages reports, for file pages [lo, hi) of the mapping at base,
@@ -289,7 +433,13 @@ func (p *Pinner) mappedPages(base, lo, hi uint64) []bool {
 	if p.pagemap == nil {
 		return nil
 	}
-	buf := make([]byte, 8*(hi-lo))
+	p.pagemaps.Add(1)
+	var small [8 * (aroundPages + 2*probeSlack)]byte
+	buf := small[:]
+	if 8*(hi-lo) > uint64(len(small)) {
+		buf = make([]byte, 8*(hi-lo))
+	}
+	buf = buf[:8*(hi-lo)]
 	if _, err := p.pagemap.ReadAt(buf, int64((base/PageSize+lo)*8)); err != nil {
 		return nil
 	}
@@ -405,6 +555,10 @@ func (p *Pinner) Close() error {
 	if p.pagemap != nil {
 		_ = p.pagemap.Close()
 	}
+	if p.exactFD >= 0 { // after the munmaps: closing it unregisters them
+		_ = unix.Close(p.exactFD)
+		p.exactFD = -1
+	}
 	return errors.Join(errs...)
 }
 
@@ -510,10 +664,12 @@ func (p *Pinner) run(table uint32, first, n uint64, create bool) ([]byte, error)
 			p.disable(fmt.Errorf("mlock2(MLOCK_ONFAULT) of %s (%d bytes): %w", f.Path, len(m), err))
 			return nil, ErrPinUnavailable
 		}
+		exact := p.makeExact(f, m)
 		p.mu.Lock()
 		if b = p.maps[table]; b == nil {
 			p.maps[table], b = m, m
 			p.pinned[table] = make([]uint64, (uint64(len(m))/PageSize+64)/64)
+			p.exact[table] = exact
 		} else {
 			_ = unix.Munmap(m) // another call mapped it first
 		}
@@ -529,17 +685,48 @@ func mapFile(f TableFile) ([]byte, error) {
 		return nil, fmt.Errorf("open %s: %w", f.Path, err)
 	}
 	defer unix.Close(fd) // the mapping keeps its own reference to the file
-	b, err := unix.Mmap(fd, 0, int(f.Size), unix.PROT_READ, unix.MAP_SHARED)
+	// Private, so that it may be registered for exact faults (exact.go); a
+	// read-only private mapping maps the page cache's own pages.
+	b, err := unix.Mmap(fd, 0, int(f.Size), unix.PROT_READ, unix.MAP_PRIVATE)
 	if err != nil {
 		return nil, fmt.Errorf("mmap %s (%d bytes): %w", f.Path, f.Size, err)
 	}
 	// Without MADV_RANDOM, the fault that mlock takes on a cold page reads
 	// ahead around it (up to 128 KiB): pinning one page would read 32.
-	if err := unix.Madvise(b, unix.MADV_RANDOM); err != nil {
-		_ = unix.Munmap(b)
-		return nil, fmt.Errorf("madvise %s (MADV_RANDOM): %w", f.Path, err)
+	// Without MADV_NOHUGEPAGE, a fault on a page of a 2 MiB folio maps (so
+	// locks) the whole folio with one PMD, exact faults or not.
+	for _, advice := range []int{unix.MADV_RANDOM, unix.MADV_NOHUGEPAGE} {
+		if err := unix.Madvise(b, advice); err != nil {
+			_ = unix.Munmap(b)
+			return nil, fmt.Errorf("madvise %s (%d): %w", f.Path, advice, err)
+		}
 	}
 	return b, nil
+}
+
+// makeExact registers the new mapping m of f for exact faults (exact.go),
+// opening the userfaultfd on first use; false (the pinner trims) where the
+// kernel refuses, said once in the log.
+func (p *Pinner) makeExact(f TableFile, m []byte) bool {
+	if p.noExact {
+		return false
+	}
+	p.exactOnce.Do(func() {
+		fd, err := newExactFaults()
+		if err != nil {
+			p.log.Info("pinned pages' fault-around neighbours are unmapped after each pin (exact faults unavailable)", zap.Error(err))
+			return
+		}
+		p.exactFD = fd
+	})
+	if p.exactFD < 0 {
+		return false
+	}
+	if err := registerExact(p.exactFD, m); err != nil {
+		p.log.Info("pinned pages' fault-around neighbours are unmapped after each pin (exact faults refused)", zap.String("table", f.Path), zap.Error(err))
+		return false
+	}
+	return true
 }
 
 // mlockOnFault is mlock2(MLOCK_ONFAULT): pages of b are locked as they get

@@ -17,6 +17,9 @@ type Req struct {
 	// call Submit. On a closed engine Done runs inside Submit, before Submit
 	// returns: do not hold a lock in Submit's caller that Done takes.
 	Done func(n int, err error)
+	// Demand: a reader waits for it (a fault, a decode hint). Queued demand
+	// reads take free slots before queued reads that are not.
+	Demand bool
 }
 
 // ErrClosed completes requests submitted to, or still queued in, a closed engine.
@@ -25,7 +28,8 @@ var ErrClosed = errors.New("ioengine: engine closed")
 // Engine runs reads with a bounded number in flight.
 type Engine interface {
 	// Submit queues reqs. It never waits for I/O; reqs beyond the queue
-	// depth wait in a FIFO inside the engine.
+	// depth wait inside the engine, demand reads first, each class in
+	// order of submission.
 	Submit(reqs ...*Req)
 	// Name is "io_uring" or "pread".
 	Name() string
@@ -94,8 +98,35 @@ func New(kind string, queueDepth int) (e Engine, fallbackReason string, err erro
 // continues a longer Buf. Tests lower it to drive that path with real reads.
 var maxOpLen = 1 << 30
 
-// fifo is the queue of requests waiting for a free slot. Not safe for
-// concurrent use; each engine guards it with its mutex.
+// waiting is the queue of requests waiting for a free slot: demand reads
+// first (a prefill hint's thousands of queued reads must not hold up a fault
+// or a decode step), each class first in, first out. Not safe for concurrent
+// use; each engine guards it with its mutex.
+type waiting struct{ demand, bulk fifo }
+
+func (w *waiting) len() int { return w.demand.len() + w.bulk.len() }
+
+func (w *waiting) push(reqs ...*Req) {
+	for _, r := range reqs {
+		if r.Demand {
+			w.demand.push(r)
+		} else {
+			w.bulk.push(r)
+		}
+	}
+}
+
+func (w *waiting) pop() *Req {
+	if w.demand.len() > 0 {
+		return w.demand.pop()
+	}
+	return w.bulk.pop()
+}
+
+// drain removes and returns everything queued.
+func (w *waiting) drain() []*Req { return append(w.demand.drain(), w.bulk.drain()...) }
+
+// fifo is one class of waiting requests.
 type fifo struct {
 	q    []*Req
 	head int

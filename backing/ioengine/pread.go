@@ -13,9 +13,9 @@ import (
 type preadEngine struct {
 	mu     sync.Mutex
 	wake   *sync.Cond
-	queue  fifo // GUARDED_BY(mu)
-	closed bool // GUARDED_BY(mu)
-	idle   int  // GUARDED_BY(mu): workers waiting on wake, so Submit signals no more than it needs
+	queue  waiting // GUARDED_BY(mu)
+	closed bool    // GUARDED_BY(mu)
+	idle   int     // GUARDED_BY(mu): workers waiting on wake, so Submit signals no more than it needs
 	wg     sync.WaitGroup
 
 	reads, ops, wakeups atomic.Uint64

@@ -35,6 +35,7 @@ func testSuite(t *testing.T, kind string) {
 		{"DoneSubmits", testDoneSubmits},
 		{"ShortReadsContinue", testShortReadsContinue},
 		{"FIFOBeyondDepth", testFIFOBeyondDepth},
+		{"DemandFirst", testDemandFirst},
 		{"ConcurrentSubmitters", testConcurrentSubmitters},
 		{"CloseInFlightAndQueued", testCloseInFlightAndQueued},
 		{"SubmitAfterClose", testSubmitAfterClose},
@@ -414,6 +415,51 @@ func testFIFOBeyondDepth(t *testing.T, kind string) {
 				}
 			}
 		})
+	}
+}
+
+// testDemandFirst: at depth 1, of reads submitted together, the demand ones
+// (faults, decode hints) are served first, each class in submission order;
+// every read still gets its bytes.
+func testDemandFirst(t *testing.T, kind string) {
+	f := newTestFile(t, 4<<20)
+	fd := open(t, f.path, false)
+	e := newEngine(t, kind, 1)
+	defer e.Close()
+	rng := rand.New(rand.NewPCG(5, 5))
+	reqs := randomReqs(rng, fd, f, mode{align: 1}, 300)
+	var wg sync.WaitGroup
+	res := track(reqs, &wg)
+	var mu sync.Mutex
+	var order []int
+	var want []int // demand reads, then the others, each in submission order
+	for i, r := range reqs {
+		r.Demand = i%7 == 3
+		if r.Demand {
+			want = append(want, i)
+		}
+		inner := r.Done
+		r.Done = func(n int, err error) {
+			mu.Lock()
+			order = append(order, i)
+			mu.Unlock()
+			inner(n, err)
+		}
+	}
+	for i, r := range reqs {
+		if !r.Demand {
+			want = append(want, i)
+		}
+	}
+	e.Submit(reqs...)
+	wait(t, &wg)
+	for i, r := range reqs {
+		checkRead(t, f, r, res[i], len(r.Buf))
+	}
+	for i := range want {
+		if order[i] != want[i] {
+			t.Fatalf("completion %d is req %d (demand %v), want req %d (demand %v)", i, order[i], reqs[order[i]].Demand, want[i], reqs[want[i]].Demand)
+		}
 	}
 }
 

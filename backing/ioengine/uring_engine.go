@@ -45,7 +45,7 @@ type uringEngine struct {
 	efd int // eventfd: a write wakes the reaper (its poll completes)
 
 	mu    sync.Mutex
-	queue fifo     // GUARDED_BY(mu): reqs waiting for a slot
+	queue waiting  // GUARDED_BY(mu): reqs waiting for a slot
 	slots []slot   // GUARDED_BY(mu)
 	free  []uint32 // GUARDED_BY(mu): unused slot indexes
 	// reaperAwake is true while the reaper is between a wake-up and its next
