@@ -40,10 +40,10 @@ func (p *Prefetcher) fetchLoop() {
 			// serves and hedges them as it does a fault's); prefill's
 			// wait their turn.
 			if len(decode) > 0 {
-				p.loader.Fetch(decode, cache.OriginDecode, p.fetched)
+				p.loader.Fetch(decode, cache.OriginDecode, p.fetchedDecode)
 			}
 			if len(prefill) > 0 {
-				p.loader.Fetch(prefill, cache.OriginPrefetch, p.fetched)
+				p.loader.Fetch(prefill, cache.OriginPrefetch, p.fetchedPrefill)
 			}
 		}
 	}
@@ -53,13 +53,21 @@ func (p *Prefetcher) fetchLoop() {
 // on the read engine's completion goroutine (or inside Fetch) and must not
 // block: it returns the budget, queues the answer for the pushers and
 // wakes both loops.
-func (p *Prefetcher) fetched(r cache.Run, pages [][]byte, err error) {
+func (p *Prefetcher) fetched(r cache.Run, pages [][]byte, err error, decode bool) {
 	p.mu.Lock()
 	p.c.answered(r)
 	p.mu.Unlock()
 	p.omu.Lock()
-	p.out = append(p.out, outcome{run: r, pages: pages, err: err})
+	p.out = append(p.out, outcome{run: r, pages: pages, err: err, decode: decode})
 	p.omu.Unlock()
 	p.signalPushers()
 	p.wakeFetch()
+}
+
+func (p *Prefetcher) fetchedDecode(r cache.Run, pages [][]byte, err error) {
+	p.fetched(r, pages, err, true)
+}
+
+func (p *Prefetcher) fetchedPrefill(r cache.Run, pages [][]byte, err error) {
+	p.fetched(r, pages, err, false)
 }

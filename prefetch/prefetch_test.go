@@ -392,3 +392,101 @@ func TestPrefillAdmittedWhileDecodePending(t *testing.T) {
 		t.Fatalf("%d pages admitted, want at least %d", named, len(rows))
 	}
 }
+
+// orderPusher records the table of every store, after the first (held on
+// gate until every answer is queued, so that the rest arrive as one batch).
+type orderPusher struct {
+	gate   chan struct{}
+	mu     sync.Mutex
+	n      int
+	tables []uint32
+}
+
+func (o *orderPusher) Store(table uint32, off int64, data []byte) error {
+	o.mu.Lock()
+	o.n++
+	first := o.n == 1
+	o.mu.Unlock()
+	if first {
+		<-o.gate
+		return nil
+	}
+	o.mu.Lock()
+	o.tables = append(o.tables, table)
+	o.mu.Unlock()
+	return nil
+}
+
+// Of the answers a pusher takes at once, a decode hint's pages are stored
+// before a prefill hint's: a batch can hold thousands of prefill pages, and
+// the decode step's barrier waits only on its own. The decode pages are on
+// the higher table, so a batch sorted by table alone stores them last.
+func TestDecodePushedBeforePrefill(t *testing.T) {
+	m := testModel(t, 4000)
+	st := &stats.Counters{}
+	st.SetLayers(m.Layers)
+	pusher := &orderPusher{gate: make(chan struct{})}
+	loader := cache.NewLoader(backing.ReaderFunc(func(t *backing.Table, off int64, n int) ([]byte, error) {
+		return make([]byte, n), nil
+	}), m.Tables, st)
+	p := New(Config{InflightPages: 4096, Pushers: 1, PrefillQueuePages: 1 << 16, DecodeQueuePages: 1 << 16}, m, loader, pusher, nil, st, nil)
+	defer p.Close()
+	var prefill, decode []uint64
+	for r := uint64(0); r < 4000; r += 8 {
+		prefill = append(prefill, r)
+	}
+	for r := uint64(3); r < 4000; r += 400 {
+		decode = append(decode, r)
+	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal(what)
+			}
+		}
+	}
+	// The pusher holds its first batch (prefill only) at its first store;
+	// then the decode hint's answers and the rest queue up behind it.
+	bp, bd := NewBarrier(), NewBarrier()
+	p.Submit(hints.Prefill, 0, prefill, bp)
+	waitFor("no store began", func() bool { pusher.mu.Lock(); defer pusher.mu.Unlock(); return pusher.n > 0 })
+	p.Submit(hints.Decode, 1, decode, bd)
+	waitFor("the answers never queued up", func() bool {
+		p.mu.Lock()
+		idle := p.c.inflight == 0
+		p.mu.Unlock()
+		p.omu.Lock()
+		defer p.omu.Unlock()
+		return idle && slices.ContainsFunc(p.out, func(o outcome) bool { return !o.decode })
+	})
+	close(pusher.gate)
+	for _, b := range []*Barrier{bp, bd} {
+		if _, err := b.Status(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pusher.mu.Lock()
+	defer pusher.mu.Unlock()
+	decodeTable := m.LayerTables(1)[0].ID
+	first, last := -1, -1
+	for i, tb := range pusher.tables {
+		if tb == decodeTable {
+			if first < 0 {
+				first = i
+			}
+			last = i
+		}
+	}
+	if first < 0 {
+		t.Fatalf("no decode page stored: %v", pusher.tables)
+	}
+	for _, tb := range pusher.tables[first:last] {
+		if tb != decodeTable {
+			t.Fatalf("prefill pages stored among the decode ones: %v", pusher.tables)
+		}
+	}
+	if last == len(pusher.tables)-1 {
+		t.Fatalf("the decode pages were stored after every prefill page of their batch: %v", pusher.tables)
+	}
+}

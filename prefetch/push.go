@@ -22,6 +22,7 @@ type outcome struct {
 	pages   [][]byte // fetched data; nil with err
 	err     error
 	confirm bool // a fault cancelled the fetch: confirm the page resident
+	decode  bool // fetched for a decode hint: pushed and settled first
 }
 
 // maxStorePages caps one merged store (1 MiB, as a backing read).
@@ -73,8 +74,26 @@ func (p *Prefetcher) pushLoop() {
 	}
 }
 
-// push stores, confirms and settles one batch of answers.
+// push stores, confirms and settles one batch of answers: the decode
+// hints' first (a decode step's barrier waits on them, and the batch may
+// hold thousands of prefill pages), then the rest.
 func (p *Prefetcher) push(batch []outcome, buf []byte) []byte {
+	n := 0
+	for i := range batch {
+		if batch[i].decode {
+			batch[i], batch[n] = batch[n], batch[i]
+			n++
+		}
+	}
+	buf = p.pushPart(batch[:n], buf)
+	return p.pushPart(batch[n:], buf)
+}
+
+// pushPart stores, confirms and settles answers, adjacent pages in one store.
+func (p *Prefetcher) pushPart(batch []outcome, buf []byte) []byte {
+	if len(batch) == 0 {
+		return buf
+	}
 	slices.SortFunc(batch, func(a, b outcome) int {
 		if a.run.Table != b.run.Table {
 			return int(a.run.Table) - int(b.run.Table)
