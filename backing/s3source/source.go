@@ -76,10 +76,9 @@ type Source struct {
 	cfg    Config
 	st     *stats.Counters
 
-	slots     *slots // a slot per GET in flight; demand GETs first
-	lat       latency
-	primaries atomic.Uint64 // demand GETs that may be hedged
-	hedges    atomic.Uint64
+	slots  *slots // a slot per GET in flight; demand GETs first
+	lat    latency
+	budget hedgeBudget
 
 	mir *mirror // nil: no mirror
 }
@@ -514,16 +513,22 @@ const (
 // GET that is not hedged costs no goroutine, channel or timer.
 func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 	s := sh.src
-	if err := s.slots.acquire(sh.ctx, demand); err != nil {
+	crowds := s.slots.crowds.Load()
+	inFlight, err := s.slots.acquire(sh.ctx, demand)
+	if err != nil {
 		return nil, err
+	}
+	tm := timing{class: -1} // prefetch GETs are never hedged: not sampled
+	if demand {
+		tm = timing{latencyClass(inFlight), crowds}
 	}
 	var delay time.Duration
 	if hedge && s.cfg.HedgePercent > 0 {
-		s.primaries.Add(1)
-		delay = s.lat.delay()
+		s.budget.earn(s.cfg.HedgePercent)
+		delay = s.lat.delay(tm.class)
 	}
 	if delay == 0 {
-		r := sh.attempt(sh.ctx, off, n, nil)
+		r := sh.attempt(sh.ctx, off, n, tm, nil)
 		return r.buf, r.err
 	}
 	ctx, cancel := context.WithCancel(sh.ctx)
@@ -534,7 +539,14 @@ func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 		if !state.CompareAndSwap(hedgeWaiting, hedgeStarted) {
 			return
 		}
-		if !s.allowHedge() || !s.slots.tryAcquire() {
+		crowds := s.slots.crowds.Load()
+		inFlight, ok := s.slots.tryAcquire()
+		if !ok {
+			hedged <- attemptResult{err: errNoHedge}
+			return
+		}
+		if !s.budget.spend() {
+			s.slots.release()
 			hedged <- attemptResult{err: errNoHedge}
 			return
 		}
@@ -542,14 +554,14 @@ func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 		sh.inflight.Add(1)
 		go func() {
 			defer sh.inflight.Done()
-			r := sh.attempt(ctx, off, n, nil)
+			r := sh.attempt(ctx, off, n, timing{latencyClass(inFlight), crowds}, nil)
 			hedged <- r
 			if r.err == nil {
 				cancel() // the primary lost
 			}
 		}()
 	})
-	r := sh.attempt(ctx, off, n, func() { state.CompareAndSwap(hedgeWaiting, hedgeNever) })
+	r := sh.attempt(ctx, off, n, tm, func() { state.CompareAndSwap(hedgeWaiting, hedgeNever) })
 	timer.Stop()
 	if state.CompareAndSwap(hedgeWaiting, hedgeNever) || state.Load() == hedgeNever || r.err == nil {
 		return r.buf, r.err
@@ -572,20 +584,10 @@ func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 	return nil, r.err
 }
 
-// allowHedge keeps hedges within HedgePercent of demand GETs (prefetch GETs are never hedged).
-func (s *Source) allowHedge() bool {
-	h := s.hedges.Add(1)
-	if h*100 > s.primaries.Load()*s.cfg.HedgePercent {
-		s.hedges.Add(^uint64(0))
-		return false
-	}
-	return true
-}
-
 // attempt runs one GET holding a slot (taken by the caller, released here)
 // and reads the whole body; headers, when set, is called when the answer's
-// headers arrived.
-func (sh *shard) attempt(ctx context.Context, off, n int64, headers func()) attemptResult {
+// headers arrived. The time to its first byte is a sample of tm's class.
+func (sh *shard) attempt(ctx context.Context, off, n int64, tm timing, headers func()) attemptResult {
 	s := sh.src
 	defer s.slots.release()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.AttemptTimeout)
@@ -594,9 +596,15 @@ func (sh *shard) attempt(ctx context.Context, off, n int64, headers func()) atte
 	start := time.Now()
 	body, err := s.c.GetRange(ctx, sh.key, off, n, sh.id.ETag)
 	if err != nil {
+		if ctx.Err() != nil && sh.ctx.Err() == nil {
+			// Stopped by a hedge that won, or by its timeout: it had no
+			// first byte for this long at least. Left out, the slowest
+			// GETs would never be counted and the p95 would sink.
+			s.sample(tm, start)
+		}
 		return attemptResult{err: timedOut(ctx, err)}
 	}
-	s.lat.add(time.Since(start))
+	s.sample(tm, start)
 	if headers != nil {
 		headers()
 	}
@@ -608,6 +616,29 @@ func (sh *shard) attempt(ctx context.Context, off, n int64, headers func()) atte
 		return attemptResult{err: timedOut(ctx, retryablef("GET %s: range [%d, +%d): body cut short at %d bytes: %v", sh.key, off, n, got, err))}
 	}
 	return attemptResult{buf: buf}
+}
+
+// timing is how a GET's first byte is sampled: the latency class it
+// started in (-1: not sampled) and the slots' crowds count before it.
+type timing struct {
+	class  int
+	crowds uint64
+}
+
+// sample records the time since start to a GET's first byte (or to its
+// end without one). A GET that started alone but saw a crowd form before
+// its first byte counts as busy: a decode step's first GETs start with
+// few in flight and wait as long as the rest of the step's.
+func (s *Source) sample(tm timing, start time.Time) {
+	if tm.class < 0 {
+		return
+	}
+	c := tm.class
+	if s.slots.crowds.Load() != tm.crowds {
+		c = latencyBusy
+	}
+	now := time.Now()
+	s.lat.add(c, now.Sub(start), now)
 }
 
 // timedOut makes a GET that hit its own deadline retryable.
