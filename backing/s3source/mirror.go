@@ -11,9 +11,12 @@ import (
 	"path/filepath"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -24,6 +27,11 @@ type MirrorConfig struct {
 	// Size is the budget of mirrored bytes: least recently used 2 MiB
 	// extents are punched out of the mirror files beyond it.
 	Size int64
+	// Engine reads mirrored pages: the read engine local shards use
+	// (io_uring, or a pread pool), with O_DIRECT where the mirror's
+	// filesystem takes it. nil: the mirror runs its own engine, of
+	// mirrorQueueDepth reads in flight.
+	Engine ioengine.Engine
 }
 
 // MirrorExtent is the unit of the mirror's eviction: 2 MiB of a shard.
@@ -51,6 +59,9 @@ const (
 	// best effort, and a full queue drops (never blocks a read).
 	mirrorQueue = 4096
 	mirrorBatch = 512 // writes per fdatasync at most
+	// mirrorQueueDepth is the depth of the mirror's own read engine, when
+	// it is given none.
+	mirrorQueueDepth = 64
 )
 
 // mirror is the mirror directory of one Source. Its writer goroutine is the
@@ -61,6 +72,12 @@ type mirror struct {
 	st     *stats.Counters
 	lock   *os.File // flock(LOCK_EX) on DIR/.lock: one daemon per mirror
 	clock  atomic.Int64
+
+	engine    ioengine.Engine
+	ownEngine bool // the mirror made engine: close it
+	// buffered says why mirror files are read through the page cache
+	// (their filesystem refused O_DIRECT; tmpfs does); "": O_DIRECT.
+	buffered atomic.Pointer[string]
 
 	mu    sync.Mutex
 	files map[string]*mirrorFile // GUARDED_BY(mu): by shard name
@@ -74,6 +91,8 @@ type mirror struct {
 	// noBits (tests): write and sync pages but never set their bits, as
 	// a crash between the write and the bit would.
 	noBits bool
+	// noDirect (tests): open mirror files as if O_DIRECT failed.
+	noDirect bool
 }
 
 // mirrorWrite is pages [off, off+len(data)) of f as of etag, or, with
@@ -91,10 +110,16 @@ type mirrorWrite struct {
 type mirrorFile struct {
 	m          *mirror
 	name       string
-	data, meta *os.File
+	data, meta *os.File // data: written (buffered), punched, truncated
 	size       int64
 	pages      int64
 	ext        []*extent // by extent index
+
+	// Pages are read from rfd: data opened again with O_DIRECT (direct),
+	// else data itself. Buffers are aligned to memAl.
+	rfd    *os.File
+	direct bool
+	memAl  int64
 
 	mu   sync.RWMutex
 	etag string   // GUARDED_BY(mu): "" once the object is known changed
@@ -126,12 +151,32 @@ func openMirror(cfg MirrorConfig, st *stats.Counters) (*mirror, error) {
 		return nil, fmt.Errorf("mirror %s: in use by another process (%v)", cfg.Dir, err)
 	}
 	m := &mirror{
-		dir: cfg.Dir, budget: cfg.Size, st: st, lock: lock,
+		dir: cfg.Dir, budget: cfg.Size, st: st, lock: lock, engine: cfg.Engine,
 		files: map[string]*mirrorFile{},
 		queue: make(chan mirrorWrite, mirrorQueue), done: make(chan struct{}),
 	}
+	if m.engine == nil {
+		e, _, err := ioengine.New("auto", mirrorQueueDepth)
+		if err != nil {
+			lock.Close()
+			return nil, fmt.Errorf("mirror: %w", err)
+		}
+		m.engine, m.ownEngine = e, true
+	}
 	go m.writer()
 	return m, nil
+}
+
+// Buffered says why the mirror's pages are read through the page cache
+// ("": they are read with O_DIRECT, or no shard is open yet).
+func (s *Source) MirrorBuffered() string {
+	if s.mir == nil {
+		return ""
+	}
+	if why := s.mir.buffered.Load(); why != nil {
+		return *why
+	}
+	return ""
 }
 
 // close stops the writer once the queued writes are settled, and closes
@@ -149,7 +194,13 @@ func (m *mirror) close() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	var errs []error
+	if m.ownEngine {
+		errs = append(errs, m.engine.Close())
+	}
 	for _, f := range m.files {
+		if f.direct {
+			errs = append(errs, f.rfd.Close())
+		}
 		errs = append(errs, f.data.Close(), f.meta.Close())
 	}
 	errs = append(errs, m.lock.Close())
@@ -224,6 +275,7 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 		m: m, name: name, data: data, meta: meta, size: size, pages: pages,
 		ext:  make([]*extent, (size+mirrorExtent-1)/mirrorExtent),
 		bits: make([]uint64, (pages+63)/64),
+		rfd:  data, memAl: 1,
 	}
 	for i := range f.ext {
 		f.ext[i] = &extent{}
@@ -240,6 +292,12 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 		data.Close()
 		meta.Close()
 		return nil, err
+	}
+	if rfd, memAl, err := m.openDirect(base + ".data"); err == nil {
+		f.rfd, f.direct, f.memAl = rfd, true, memAl
+	} else {
+		why := err.Error()
+		m.buffered.CompareAndSwap(nil, &why)
 	}
 	m.files[name] = f
 	if m.used > m.budget {
@@ -320,32 +378,142 @@ func (f *mirrorFile) coveredLocked(off int64, n int) bool {
 	return true
 }
 
-// covered reports whether a read of [off, off+n) of the object as of etag
-// would be served by the mirror now.
-func (f *mirrorFile) covered(etag string, off int64, n int) bool {
-	f.mu.RLock()
-	defer f.mu.RUnlock()
-	return f.etag == etag && f.coveredLocked(off, n)
-}
-
 // read returns [off, off+n) of the object as of etag from the mirror, or
-// false when any of it is not mirrored (any more).
+// false when any of it is not mirrored (any more). It waits for the read.
 func (f *mirrorFile) read(etag string, off int64, n int) ([]byte, bool) {
 	f.mu.RLock()
 	if f.etag != etag || !f.coveredLocked(off, n) {
 		f.mu.RUnlock()
 		return nil, false
 	}
-	buf := make([]byte, n)
-	got, err := f.data.ReadAt(buf, off)
+	start, buf := f.readBuf(off, n)
+	got, err := preadFull(int(f.rfd.Fd()), buf, start)
 	f.mu.RUnlock()
-	if err != nil || got != n {
+	return f.answer(off, n, start, buf, got, err)
+}
+
+// readBuf returns the offset and an aligned buffer for a read of [off,
+// off+n) of the mirror file: whole mirror pages under O_DIRECT.
+func (f *mirrorFile) readBuf(off int64, n int) (int64, []byte) {
+	start, end := off, off+int64(n)
+	if f.direct {
+		start = start / mirrorPage * mirrorPage
+		end = (end + mirrorPage - 1) / mirrorPage * mirrorPage
+	}
+	return start, alignedBuf(int(end-start), f.memAl)
+}
+
+// answer turns got bytes read into buf at start into [off, off+n), or
+// false. The last page may be short: the file ends with the object.
+func (f *mirrorFile) answer(off int64, n int, start int64, buf []byte, got int, err error) ([]byte, bool) {
+	if err != nil || int64(got) < off+int64(n)-start {
 		return nil, false
 	}
 	f.touch(off, int64(n))
 	f.m.st.MirrorHits.Add(1)
 	f.m.st.MirrorBytesRead.Add(uint64(n))
-	return buf, true
+	lo := off - start
+	return buf[lo : lo+int64(n) : lo+int64(n)], true
+}
+
+// submit reads the reads wholly inside mirrored pages of the object as of
+// etag through the mirror's engine, each answered by hit(r, data) (or
+// miss(r) should its read fail), and returns the others. done runs once
+// every read submitted has completed (at once when none was).
+//
+// f.mu stays read-locked from the check of the bits until the last of
+// these reads completes: an eviction clears an extent's bits under
+// f.mu.Lock before it punches its bytes, so it waits for them, and no read
+// returns the zeros of a punched page. It is taken once for the batch (a
+// second RLock by a holder deadlocks behind a waiting Lock).
+func (f *mirrorFile) submit(etag string, reads []*backing.ShardRead, hit func(r *backing.ShardRead, data []byte), miss func(r *backing.ShardRead), done func()) (rest []*backing.ShardRead) {
+	var reqs []*ioengine.Req
+	var pending atomic.Int64
+	f.mu.RLock()
+	ok := f.etag == etag
+	for _, r := range reads {
+		if !ok || !f.coveredLocked(r.Off, r.Len) {
+			rest = append(rest, r)
+			continue
+		}
+		start, buf := f.readBuf(r.Off, r.Len)
+		reqs = append(reqs, &ioengine.Req{Fd: int(f.rfd.Fd()), Off: start, Buf: buf, Done: func(got int, err error) {
+			if data, ok := f.answer(r.Off, r.Len, start, buf, got, err); ok {
+				hit(r, data)
+			} else {
+				miss(r)
+			}
+			if pending.Add(-1) == 0 {
+				f.mu.RUnlock()
+				done()
+			}
+		}})
+	}
+	if len(reqs) == 0 {
+		f.mu.RUnlock()
+		done()
+		return rest
+	}
+	pending.Store(int64(len(reqs)))
+	f.m.engine.Submit(reqs...)
+	return rest
+}
+
+// openDirect opens path for reads with O_DIRECT, if its filesystem takes
+// them in whole mirror pages, and returns the memory alignment they need.
+func (m *mirror) openDirect(path string) (*os.File, int64, error) {
+	if m.noDirect {
+		return nil, 0, errors.New("O_DIRECT off (test)")
+	}
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, 0, fmt.Errorf("open %s with O_DIRECT: %w", path, err)
+	}
+	f := os.NewFile(uintptr(fd), path)
+	memAl := int64(mirrorPage)
+	var sx unix.Statx_t
+	if unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
+		if sx.Dio_offset_align == 0 || mirrorPage%sx.Dio_offset_align != 0 {
+			f.Close()
+			return nil, 0, fmt.Errorf("%s: O_DIRECT needs offsets aligned to %d bytes", path, sx.Dio_offset_align)
+		}
+		memAl = max(int64(sx.Dio_mem_align), 1)
+	}
+	// Some filesystems take O_DIRECT at open and refuse it at read: probe
+	// (the file has its size already: a hole reads as zeros).
+	if _, err := unix.Pread(fd, alignedBuf(mirrorPage, memAl), 0); err != nil {
+		f.Close()
+		return nil, 0, fmt.Errorf("read %s with O_DIRECT: %w", path, err)
+	}
+	return f, memAl, nil
+}
+
+// alignedBuf returns n bytes whose address is a multiple of memAl.
+func alignedBuf(n int, memAl int64) []byte {
+	if memAl <= 1 {
+		return make([]byte, n)
+	}
+	b := make([]byte, n+int(memAl))
+	skip := int(memAl-int64(uintptr(unsafe.Pointer(&b[0])))%memAl) % int(memAl)
+	return b[skip : skip+n : skip+n]
+}
+
+// preadFull reads until buf is full, EOF or an error.
+func preadFull(fd int, buf []byte, off int64) (int, error) {
+	done := 0
+	for done < len(buf) {
+		n, err := unix.Pread(fd, buf[done:], off+int64(done))
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			return done, err
+		case n == 0:
+			return done, nil
+		}
+		done += n
+	}
+	return done, nil
 }
 
 func (f *mirrorFile) touch(off, n int64) {
@@ -439,9 +607,16 @@ func (m *mirror) flush(batch []mirrorWrite) {
 			synced[f] = false
 		}
 	}
-	// 2. Make them durable.
+	// 2. Make them durable; then drop them from the page cache, which
+	// O_DIRECT reads pass by (kept, every mirrored page would be in RAM
+	// twice: here and in the mount's page cache).
 	for f := range synced {
 		synced[f] = unix.Fdatasync(int(f.data.Fd())) == nil
+	}
+	for _, w := range written {
+		if w.f.direct && synced[w.f] {
+			_ = unix.Fadvise(int(w.f.data.Fd()), w.off, int64(len(w.data)), unix.FADV_DONTNEED)
+		}
 	}
 	// 3. Set and persist their bits.
 	m.mu.Lock()

@@ -343,60 +343,27 @@ func (sh *shard) Submit(reads ...*backing.ShardRead) {
 			valid = append(valid, r)
 		}
 	}
-	if sh.mir != nil {
-		var hits []*backing.ShardRead
-		valid, hits = sh.splitMirrored(valid)
-		if len(hits) > 0 {
-			groups := min(len(hits), mirrorReaders)
-			if !sh.enter(groups) {
-				err := fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
-				for _, r := range hits {
-					r.Done(nil, err)
-				}
-			} else {
-				for g := range groups {
-					go sh.serveMirrored(hits[g*len(hits)/groups : (g+1)*len(hits)/groups])
-				}
-			}
-		}
+	if sh.mir != nil && len(valid) > 0 {
+		valid = sh.submitMirrored(valid)
 	}
 	sh.submitGETs(valid)
 }
 
-// mirrorReaders bounds the goroutines that answer one Submit's mirror hits,
-// each with a pread of the local mirror file at a time. Served one after
-// another by a single goroutine, a hinted decode step's ~100-150 hits took
-// 10-15 ms: the mirror-warm decode p50 was 15.7 ms against 5.9 ms over local
-// shards, whose reads run 64 at a time.
-const mirrorReaders = 16
-
-// splitMirrored splits reads into those that need a GET and those wholly
-// inside mirrored pages.
-func (sh *shard) splitMirrored(reads []*backing.ShardRead) (gets, hits []*backing.ShardRead) {
-	gets = reads[:0]
-	for _, r := range reads {
-		if sh.mir.covered(sh.id.ETag, r.Off, r.Len) {
-			hits = append(hits, r)
-		} else {
-			gets = append(gets, r)
-		}
+// submitMirrored reads the reads wholly inside mirrored pages from the
+// mirror, through the read engine local shards use (O_DIRECT where the
+// mirror's filesystem allows); it returns the others. A read whose pages
+// were evicted meanwhile, or whose read failed, gets a GET. Read one after
+// another by a goroutine, a hinted decode step's ~100-150 hits took 10-15
+// ms: the mirror-warm decode p50 was 15.7 ms against 5.9 ms over local
+// shards, whose reads run 64 at a time; so do these.
+func (sh *shard) submitMirrored(reads []*backing.ShardRead) []*backing.ShardRead {
+	if !sh.enter(1) {
+		return reads // submitGETs fails them
 	}
-	return gets, hits
-}
-
-// serveMirrored answers reads from the mirror by pread; a read whose pages
-// were evicted meanwhile gets a GET.
-func (sh *shard) serveMirrored(reads []*backing.ShardRead) {
-	defer sh.inflight.Done()
-	var gets []*backing.ShardRead
-	for _, r := range reads {
-		if data, ok := sh.mir.read(sh.id.ETag, r.Off, r.Len); ok {
-			r.Done(data, nil)
-		} else {
-			gets = append(gets, r)
-		}
-	}
-	sh.submitGETs(gets)
+	return sh.mir.submit(sh.id.ETag, reads,
+		func(r *backing.ShardRead, data []byte) { r.Done(data, nil) },
+		func(r *backing.ShardRead) { sh.submitGETs([]*backing.ShardRead{r}) },
+		sh.inflight.Done)
 }
 
 // submitGETs merges reads into spans and starts a goroutine per span.

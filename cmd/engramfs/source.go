@@ -9,6 +9,7 @@ import (
 	"time"
 
 	units "github.com/docker/go-units"
+	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
@@ -118,8 +119,21 @@ func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Cou
 		return nil, err
 	}
 	cfg.Mirror = mirror
+	cfg.Mirror.Engine = engine // mirrored pages are read as local shards are
 	st.ReadEngine = "s3"
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	return s3source.New(ctx, arg, cfg, st)
+}
+
+// logSource logs, once a mount's shards are open, what its source does
+// differently from what was asked: an object store mirror on a filesystem
+// without O_DIRECT (tmpfs) reads its pages through the page cache.
+func logSource(source backing.Source, log *zap.Logger) {
+	if s, ok := source.(*s3source.Source); ok {
+		if why := s.MirrorBuffered(); why != "" {
+			log.Warn("s3 mirror: no O_DIRECT on its filesystem: mirrored pages are read through the page cache",
+				zap.String("mirror", s.Mirror().Dir), zap.String("reason", why))
+		}
+	}
 }

@@ -118,7 +118,7 @@ var Fields = []Field{
 		"s3_etag_failures_total"},
 
 	{"mirror_hits", Counter, "reads", GroupMirror, "reads served from the mirror, no GET",
-		"Object store reads served from the local SSD mirror (--s3-mirror) by a pread, without a GET.",
+		"Object store reads served from the local SSD mirror (--s3-mirror) without a GET: read through the read engine local shards use, with O_DIRECT where the mirror's filesystem takes it.",
 		"mirror_hits_total"},
 	{"mirror_bytes_read", Counter, "bytes", GroupMirror, "bytes read from the mirror",
 		"Bytes those mirror reads returned.",
