@@ -6,7 +6,7 @@
 // move 1-4 MiB per random read), merges reads submitted together that lie
 // within MergeGap of each other into one GET, serves demand reads (faults)
 // before queued prefetch reads, hedges demand GETs that have no first byte
-// after the recent p95, and retries what a store fails transiently.
+// after the recent p97, and retries what a store fails transiently.
 // Every GET is conditional on the ETag seen at mount (If-Match): an object
 // rewritten under a live mount fails with backing.ErrShardChanged, never
 // with new or mixed bytes.
@@ -475,7 +475,7 @@ const (
 )
 
 // get is one try at bytes [off, off+n): a GET in this goroutine and, when
-// hedge is set and it has no answer after the adaptive p95, a second GET;
+// hedge is set and it has no answer after the adaptive p97, a second GET;
 // the first to deliver the whole body wins and the other is canceled. A
 // GET that is not hedged costs no goroutine, channel or timer.
 func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
@@ -566,7 +566,7 @@ func (sh *shard) attempt(ctx context.Context, off, n int64, tm timing, headers f
 		if ctx.Err() != nil && sh.ctx.Err() == nil {
 			// Stopped by a hedge that won, or by its timeout: it had no
 			// first byte for this long at least. Left out, the slowest
-			// GETs would never be counted and the p95 would sink.
+			// GETs would never be counted and the p97 would sink.
 			s.sample(tm, start)
 		}
 		return attemptResult{err: timedOut(ctx, err)}

@@ -111,7 +111,7 @@ var Fields = []Field{
 		"GETs sent again after a retryable failure: 5xx, 429, connection reset, truncated body, a 200 to a range request, or an attempt timeout.",
 		"s3_retries_total"},
 	{"s3_hedges", Counter, "GETs", GroupS3, "second GETs for slow demand reads",
-		"Second GETs sent because a demand read's (a fault's or a decode hint's) first GET had no answer after the adaptive p95 latency (prefill GETs are never hedged).",
+		"Second GETs sent because a demand read's (a fault's or a decode hint's) first GET had no answer after the adaptive p97 latency of recent demand GETs (prefill GETs are never hedged).",
 		"s3_hedges_total"},
 	{"s3_etag_failures", Counter, "reads", GroupS3, "reads refused with 412 (object rewritten)",
 		"Object store reads that failed with 412 Precondition Failed: the object was rewritten under the mount.",
