@@ -116,10 +116,13 @@ type mirrorFile struct {
 	ext        []*extent // by extent index
 
 	// Pages are read from rfd: data opened again with O_DIRECT (direct),
-	// else data itself. Buffers are aligned to memAl.
-	rfd    *os.File
-	direct bool
-	memAl  int64
+	// else data itself; in reads aligned to align (the filesystem's O_DIRECT
+	// offset alignment: 512 on ext4, not a mirror page: a table's 4 KiB page
+	// at an unaligned shard offset is then a read of 4.5 KiB, not 8), into
+	// buffers aligned to memAl.
+	rfd          *os.File
+	direct       bool
+	align, memAl int64
 
 	mu   sync.RWMutex
 	etag string   // GUARDED_BY(mu): "" once the object is known changed
@@ -275,7 +278,7 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 		m: m, name: name, data: data, meta: meta, size: size, pages: pages,
 		ext:  make([]*extent, (size+mirrorExtent-1)/mirrorExtent),
 		bits: make([]uint64, (pages+63)/64),
-		rfd:  data, memAl: 1,
+		rfd:  data, align: 1, memAl: 1,
 	}
 	for i := range f.ext {
 		f.ext[i] = &extent{}
@@ -293,8 +296,8 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 		meta.Close()
 		return nil, err
 	}
-	if rfd, memAl, err := m.openDirect(base + ".data"); err == nil {
-		f.rfd, f.direct, f.memAl = rfd, true, memAl
+	if rfd, align, memAl, err := m.openDirect(base + ".data"); err == nil {
+		f.rfd, f.direct, f.align, f.memAl = rfd, true, align, memAl
 	} else {
 		why := err.Error()
 		m.buffered.CompareAndSwap(nil, &why)
@@ -393,13 +396,10 @@ func (f *mirrorFile) read(etag string, off int64, n int) ([]byte, bool) {
 }
 
 // readBuf returns the offset and an aligned buffer for a read of [off,
-// off+n) of the mirror file: whole mirror pages under O_DIRECT.
+// off+n) of the mirror file.
 func (f *mirrorFile) readBuf(off int64, n int) (int64, []byte) {
-	start, end := off, off+int64(n)
-	if f.direct {
-		start = start / mirrorPage * mirrorPage
-		end = (end + mirrorPage - 1) / mirrorPage * mirrorPage
-	}
+	start := off / f.align * f.align
+	end := (off + int64(n) + f.align - 1) / f.align * f.align
 	return start, alignedBuf(int(end-start), f.memAl)
 }
 
@@ -460,32 +460,33 @@ func (f *mirrorFile) submit(etag string, reads []*backing.ShardRead, hit func(r 
 }
 
 // openDirect opens path for reads with O_DIRECT, if its filesystem takes
-// them in whole mirror pages, and returns the memory alignment they need.
-func (m *mirror) openDirect(path string) (*os.File, int64, error) {
+// them at mirror page offsets, and returns the offset and memory
+// alignments they need (a mirror page where statx does not say).
+func (m *mirror) openDirect(path string) (*os.File, int64, int64, error) {
 	if m.noDirect {
-		return nil, 0, errors.New("O_DIRECT off (test)")
+		return nil, 0, 0, errors.New("O_DIRECT off (test)")
 	}
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, 0, fmt.Errorf("open %s with O_DIRECT: %w", path, err)
+		return nil, 0, 0, fmt.Errorf("open %s with O_DIRECT: %w", path, err)
 	}
 	f := os.NewFile(uintptr(fd), path)
-	memAl := int64(mirrorPage)
+	align, memAl := int64(mirrorPage), int64(mirrorPage)
 	var sx unix.Statx_t
 	if unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
 		if sx.Dio_offset_align == 0 || mirrorPage%sx.Dio_offset_align != 0 {
 			f.Close()
-			return nil, 0, fmt.Errorf("%s: O_DIRECT needs offsets aligned to %d bytes", path, sx.Dio_offset_align)
+			return nil, 0, 0, fmt.Errorf("%s: O_DIRECT needs offsets aligned to %d bytes", path, sx.Dio_offset_align)
 		}
-		memAl = max(int64(sx.Dio_mem_align), 1)
+		align, memAl = int64(sx.Dio_offset_align), max(int64(sx.Dio_mem_align), 1)
 	}
 	// Some filesystems take O_DIRECT at open and refuse it at read: probe
 	// (the file has its size already: a hole reads as zeros).
-	if _, err := unix.Pread(fd, alignedBuf(mirrorPage, memAl), 0); err != nil {
+	if _, err := unix.Pread(fd, alignedBuf(int(align), memAl), 0); err != nil {
 		f.Close()
-		return nil, 0, fmt.Errorf("read %s with O_DIRECT: %w", path, err)
+		return nil, 0, 0, fmt.Errorf("read %s with O_DIRECT: %w", path, err)
 	}
-	return f, memAl, nil
+	return f, align, memAl, nil
 }
 
 // alignedBuf returns n bytes whose address is a multiple of memAl.
