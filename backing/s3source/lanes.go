@@ -19,6 +19,10 @@ type slots struct {
 	// crowds counts the times the GETs in flight grew past
 	// latencyQuietMax: a GET that sees it change was not alone.
 	crowds atomic.Uint64
+
+	// preempt cancels the fill GET that holds a slot (nil: none): the
+	// first GET to wait for a slot calls it, and gets that slot.
+	preempt func() // GUARDED_BY(mu)
 }
 
 const (
@@ -49,7 +53,12 @@ func (s *slots) acquire(ctx context.Context, demand bool) (int, error) {
 	l := lane(demand)
 	ch := make(chan struct{}, 1)
 	s.waiters[l] = append(s.waiters[l], ch)
+	preempt := s.preempt
+	s.preempt = nil
 	s.mu.Unlock()
+	if preempt != nil {
+		preempt() // the fill GET stops and releases its slot to a waiter
+	}
 	select {
 	case <-ch:
 		return s.n, nil // handed over by a release: every slot is taken
@@ -82,6 +91,28 @@ func (s *slots) tryAcquire() (int, bool) {
 		return s.n - s.free, true
 	}
 	return 0, false
+}
+
+// tryAcquireFill takes a slot for the fill lane if one is free (nobody
+// waits for one); cancel stops its GET, and is called as soon as any GET
+// has to wait for a slot. releaseFill gives the slot back.
+func (s *slots) tryAcquireFill(cancel func()) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.free == 0 || s.preempt != nil {
+		return false
+	}
+	s.free--
+	s.countCrowd(s.n - s.free)
+	s.preempt = cancel
+	return true
+}
+
+func (s *slots) releaseFill() {
+	s.mu.Lock()
+	s.preempt = nil
+	s.mu.Unlock()
+	s.release()
 }
 
 // countCrowd counts a crowd when a slot just taken makes inFlight GETs in

@@ -32,6 +32,11 @@ type MirrorConfig struct {
 	// filesystem takes it. nil: the mirror runs its own engine, of
 	// mirrorQueueDepth reads in flight.
 	Engine ioengine.Engine
+	// FillRate, when not 0, turns on the background fill lane: the pages
+	// of open shards not mirrored yet are fetched into the mirror at most
+	// this many bytes a second, in GET slots nobody waits for, while the
+	// budget has room (filler).
+	FillRate int64
 }
 
 // MirrorExtent is the unit of the mirror's eviction: 2 MiB of a shard.
@@ -104,6 +109,9 @@ type mirrorWrite struct {
 	off     int64
 	data    []byte
 	barrier chan struct{}
+	// fill: from the fill lane: written only while the budget has room
+	// (it never evicts), and the extent's LRU stamp is left as it was.
+	fill bool
 }
 
 // mirrorFile is the mirror of one shard.
@@ -548,6 +556,37 @@ func (f *mirrorFile) put(etag string, off int64, buf []byte) {
 	f.m.send(mirrorWrite{f: f, etag: etag, off: lo, data: data}, false)
 }
 
+// putFill queues pages fetched by the fill lane, waiting for room in the
+// queue (the lane has nothing better to do).
+func (f *mirrorFile) putFill(etag string, off int64, buf []byte) {
+	f.m.send(mirrorWrite{f: f, etag: etag, off: off, data: buf, fill: true}, true)
+}
+
+// full reports whether n more mirrored bytes would not fit the budget.
+func (m *mirror) full(n int64) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.used+n > m.budget
+}
+
+// unmirrored returns the first page at or after page from that is not
+// mirrored, if the mirror is of the object as of etag.
+func (f *mirrorFile) unmirrored(etag string, from int64) (int64, bool) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if f.etag != etag {
+		return 0, false
+	}
+	for p := from; p < f.pages; p++ {
+		if w := f.bits[p/64]; w == ^uint64(0) && p%64 == 0 {
+			p += 63 // a whole word mirrored
+		} else if w&(1<<(p%64)) == 0 {
+			return p, true
+		}
+	}
+	return 0, false
+}
+
 // invalidate stops serving the mirror of the object as of etag: it
 // changed. The next open with the new ETag discards the mirror.
 func (f *mirrorFile) invalidate(etag string) {
@@ -588,12 +627,21 @@ func (m *mirror) writer() {
 }
 
 func (m *mirror) flush(batch []mirrorWrite) {
-	// 1. Write the pages (under f.mu: a reset never runs meanwhile).
+	// 1. Write the pages (under f.mu: a reset never runs meanwhile). A
+	// fill write that would not fit the budget is dropped.
 	written := batch[:0:0]
 	synced := map[*mirrorFile]bool{}
+	var filling int64
 	for _, w := range batch {
 		if w.f == nil {
 			continue
+		}
+		if w.fill {
+			n := int64(len(w.data))
+			if m.full(filling + n) {
+				continue
+			}
+			filling += n
 		}
 		f := w.f
 		f.mu.RLock()
@@ -630,8 +678,20 @@ func (m *mirror) flush(batch []mirrorWrite) {
 				continue
 			}
 			f.mu.Lock()
+			first, last := w.off/mirrorPage, (w.off+int64(len(w.data))-1)/mirrorPage
+			if w.fill {
+				var add int64
+				for p := first; p <= last; p++ {
+					if f.bits[p/64]&(1<<(p%64)) == 0 {
+						add += mirrorPage
+					}
+				}
+				if m.used+add > m.budget {
+					f.mu.Unlock()
+					continue // the fill lane never makes the mirror evict
+				}
+			}
 			if f.etag == w.etag {
-				first, last := w.off/mirrorPage, (w.off+int64(len(w.data))-1)/mirrorPage
 				for p := first; p <= last; p++ {
 					if f.bits[p/64]&(1<<(p%64)) == 0 {
 						f.bits[p/64] |= 1 << (p % 64)
@@ -647,7 +707,9 @@ func (m *mirror) flush(batch []mirrorWrite) {
 				m.st.MirrorBytesWritten.Add(uint64(len(w.data)))
 			}
 			f.mu.Unlock()
-			f.touch(w.off, int64(len(w.data)))
+			if !w.fill {
+				f.touch(w.off, int64(len(w.data)))
+			}
 		}
 		for f, r := range dirty {
 			f.mu.RLock()

@@ -80,7 +80,9 @@ type Source struct {
 	lat    latency
 	budget hedgeBudget
 
-	mir *mirror // nil: no mirror
+	mir    *mirror  // nil: no mirror
+	fill   *filler  // nil: no fill lane
+	opened shardSet // the open shards with a mirror
 }
 
 var _ backing.Source = (*Source)(nil)
@@ -169,6 +171,9 @@ func newSource(c objectClient, bucket, prefix string, cfg Config, st *stats.Coun
 			return nil, err
 		}
 		s.mir = m
+		if cfg.Mirror.FillRate > 0 {
+			s.fill = newFiller(s, cfg.Mirror.FillRate)
+		}
 	}
 	return s, nil
 }
@@ -178,6 +183,9 @@ func newSource(c objectClient, bucket, prefix string, cfg Config, st *stats.Coun
 func (s *Source) Close() error {
 	if s.mir == nil {
 		return nil
+	}
+	if s.fill != nil {
+		s.fill.stop()
 	}
 	return s.mir.close()
 }
@@ -241,7 +249,14 @@ func (s *Source) open(name string, mirrored bool) (*shard, error) {
 		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &shard{src: s, name: name, key: key, id: backing.Identity{Size: size, ETag: etag}, mir: mf, ctx: ctx, cancel: cancel}, nil
+	sh := &shard{src: s, name: name, key: key, id: backing.Identity{Size: size, ETag: etag}, mir: mf, ctx: ctx, cancel: cancel}
+	if mf != nil {
+		s.opened.add(sh)
+		if s.fill != nil {
+			s.fill.opened()
+		}
+	}
+	return sh, nil
 }
 
 // validName accepts names with directories that stay inside the model.
@@ -626,6 +641,7 @@ func (sh *shard) Close() error {
 	}
 	sh.closed = true
 	sh.mu.Unlock()
+	sh.src.opened.remove(sh)
 	sh.cancel()
 	sh.inflight.Wait()
 	return nil
