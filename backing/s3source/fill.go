@@ -2,7 +2,9 @@ package s3source
 
 import (
 	"context"
+	"errors"
 	"io"
+	"io/fs"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -164,10 +166,16 @@ func (fl *filler) fetch(sh *shard, off, n int64) bool {
 	s.st.S3FillGets.Add(1)
 	body, err := s.c.GetRange(ctx, sh.key, off, n, sh.id.ETag)
 	if err != nil {
-		if preempted.Load() {
+		switch {
+		case preempted.Load():
 			s.st.S3FillPreempted.Add(1)
+		case errors.Is(err, errPrecondition) || errors.Is(err, fs.ErrNotExist):
+			// The object changed or is gone: its mirror serves and fills
+			// nothing more (a 412 a chunk, at the fill rate, otherwise).
+			s.st.S3ETagFailures.Add(1)
+			sh.mir.invalidate(sh.id.ETag)
 		}
-		return true // the demand path sees a changed object first
+		return true
 	}
 	buf := make([]byte, n)
 	got, err := io.ReadFull(body, buf)

@@ -238,3 +238,25 @@ func TestFillVersitygw(t *testing.T) {
 	t.Logf("%d bytes filled by %d GETs in %v at %d B/s", st.S3FillBytes.Load(), st.S3FillGets.Load(), time.Since(start).Round(time.Millisecond), rate)
 	closeAll(t, sf, src)
 }
+
+// An object rewritten under the mount: the lane's first GET of it stops
+// the filling of its mirror (not a 412 a chunk from then on).
+func TestFillStopsOnETagChange(t *testing.T) {
+	f := newFakeStore()
+	want := mirrorObject(t, 13)
+	f.put("m/"+mirrorKey, want)
+	src, st := fillSource(t, f, t.TempDir(), 64<<20, 0, 8) // no lane yet
+	sf, err := src.Open(mirrorKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.put("m/"+mirrorKey, mirrorObject(t, 14))
+	src.fill = newFiller(src, 1<<30)
+	src.fill.opened()
+	waitFor(t, "the lane's first GET", func() bool { return st.S3FillGets.Load() > 0 })
+	time.Sleep(100 * time.Millisecond)
+	if n := st.S3FillGets.Load(); n != 1 || st.S3ETagFailures.Load() != 1 {
+		t.Errorf("%d fill GETs, %d ETag failures of a rewritten object; want 1, 1", n, st.S3ETagFailures.Load())
+	}
+	closeAll(t, sf, src)
+}
