@@ -6,6 +6,7 @@ import (
 	"io"
 	"io/fs"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -206,15 +207,7 @@ func (o *shardSet) sorted() []*shard {
 	for sh := range o.set {
 		shards = append(shards, sh)
 	}
-	slices.SortFunc(shards, func(a, b *shard) int {
-		switch {
-		case a.name < b.name:
-			return -1
-		case a.name > b.name:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(shards, func(a, b *shard) int { return strings.Compare(a.name, b.name) })
 	return shards
 }
 

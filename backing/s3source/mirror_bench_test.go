@@ -8,7 +8,6 @@ import (
 	"testing"
 
 	"github.com/engramfs/engramfs/backing"
-	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -22,17 +21,7 @@ import (
 const stepReads = 128
 
 func BenchmarkMirrorStep(b *testing.B) {
-	eng := benchEngine(b)
-	f := newFakeStore()
-	want := mirrorObject(nil, 9)
-	f.put("m/"+mirrorKey, want)
-	cfg := testConfig()
-	cfg.Mirror = MirrorConfig{Dir: b.TempDir(), Size: 64 << 20, Engine: eng}
-	st := &stats.Counters{}
-	src, err := newSource(f, "bucket", "m/", cfg, st)
-	if err != nil {
-		b.Fatal(err)
-	}
+	src, st, want := engineMirrorSource(b, testEngine(b, 64), b.TempDir(), 9, 64<<20)
 	sf, err := src.Open(mirrorKey)
 	if err != nil {
 		b.Fatal(err)
@@ -51,7 +40,7 @@ func BenchmarkMirrorStep(b *testing.B) {
 }
 
 func BenchmarkLocalStep(b *testing.B) {
-	eng := benchEngine(b)
+	eng := testEngine(b, 64)
 	dir := b.TempDir()
 	want := mirrorObject(nil, 9)
 	if err := os.WriteFile(filepath.Join(dir, mirrorKey), want, 0o600); err != nil {
@@ -63,15 +52,6 @@ func BenchmarkLocalStep(b *testing.B) {
 	}
 	defer sf.Close()
 	runSteps(b, sf, len(want))
-}
-
-func benchEngine(b *testing.B) ioengine.Engine {
-	eng, _, err := ioengine.New("auto", 64)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { eng.Close() })
-	return eng
 }
 
 // runSteps times b.N steps of stepReads random page reads.

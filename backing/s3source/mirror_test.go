@@ -322,6 +322,36 @@ func TestConformanceFakeMirror(t *testing.T) {
 	})
 }
 
+// testEngine returns a read engine of depth reads in flight, closed when
+// the test ends.
+func testEngine(t testing.TB, depth int) ioengine.Engine {
+	t.Helper()
+	e, _, err := ioengine.New("auto", depth)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+// engineMirrorSource opens a Source over a fake store holding
+// mirrorObject(seed), with a mirror of budget bytes in dir read through
+// eng.
+func engineMirrorSource(t testing.TB, eng ioengine.Engine, dir string, seed uint64, budget int64) (*Source, *stats.Counters, []byte) {
+	t.Helper()
+	f := newFakeStore()
+	want := mirrorObject(nil, seed)
+	f.put("m/"+mirrorKey, want)
+	cfg := testConfig()
+	cfg.Mirror = MirrorConfig{Dir: dir, Size: budget, Engine: eng}
+	st := &stats.Counters{}
+	src, err := newSource(f, "bucket", "m/", cfg, st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src, st, want
+}
+
 // countingEngine counts the reads submitted to an engine.
 type countingEngine struct {
 	ioengine.Engine
@@ -370,22 +400,8 @@ func TestMirrorReadsThroughEngine(t *testing.T) {
 	for _, direct := range []bool{true, false} {
 		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
 			dir := t.TempDir()
-			e, _, err := ioengine.New("auto", 8)
-			if err != nil {
-				t.Fatal(err)
-			}
-			eng := &countingEngine{Engine: e}
-			defer eng.Close()
-			f := newFakeStore()
-			want := mirrorObject(t, 6)
-			f.put("m/"+mirrorKey, want)
-			cfg := testConfig()
-			cfg.Mirror = MirrorConfig{Dir: dir, Size: 64 << 20, Engine: eng}
-			st := &stats.Counters{}
-			src, err := newSource(f, "bucket", "m/", cfg, st)
-			if err != nil {
-				t.Fatal(err)
-			}
+			eng := &countingEngine{Engine: testEngine(t, 8)}
+			src, st, want := engineMirrorSource(t, eng, dir, 6, 64<<20)
 			if !direct {
 				src.mir.noDirect = true
 			}
@@ -500,22 +516,8 @@ func (e *holdingEngine) release() {
 // is punched only after the read completed, so the read returns the
 // object's bytes, not the zeros of a hole.
 func TestMirrorEvictionWaitsForReads(t *testing.T) {
-	e, _, err := ioengine.New("auto", 8)
-	if err != nil {
-		t.Fatal(err)
-	}
-	eng := &holdingEngine{Engine: e}
-	defer eng.Close()
-	f := newFakeStore()
-	want := mirrorObject(t, 8)
-	f.put("m/"+mirrorKey, want)
-	cfg := testConfig()
-	cfg.Mirror = MirrorConfig{Dir: t.TempDir(), Size: mirrorExtent, Engine: eng}
-	st := &stats.Counters{}
-	src, err := newSource(f, "bucket", "m/", cfg, st)
-	if err != nil {
-		t.Fatal(err)
-	}
+	eng := &holdingEngine{Engine: testEngine(t, 8)}
+	src, st, want := engineMirrorSource(t, eng, t.TempDir(), 8, mirrorExtent)
 	sf, err := src.Open(mirrorKey)
 	if err != nil {
 		t.Fatal(err)
