@@ -54,7 +54,7 @@ const (
 const (
 	latencyQuietMax = 4
 	latencyWindow   = 512
-	latencyWarmup   = 64               // no estimate before this many samples of a class (the p97 of 64 is the second largest)
+	latencyWarmup   = 16               // no estimate before this many samples of a class
 	latencyEvery    = 8                // recompute a class's p97 after this many of its samples
 	latencyAge      = 20 * time.Second // older samples count only among a class's newest latencyWarmup
 )
@@ -82,7 +82,10 @@ func (l *latency) add(c int, d time.Duration, now time.Time) {
 	l.mu.Unlock()
 	if window != nil {
 		slices.Sort(window)
-		l.hedgeAt[c].Store(int64(window[len(window)*97/100]))
+		// The p97, but never the largest sample: of a few dozen, the
+		// largest is often the one slow GET in a hundred (200 ms where
+		// the rest take 22), and the second largest rarely.
+		l.hedgeAt[c].Store(int64(window[min(len(window)*97/100, len(window)-2)]))
 	}
 }
 

@@ -139,3 +139,15 @@ func TestSlotsCountCrowds(t *testing.T) {
 		t.Fatalf("%d crowds after the GETs in flight fell to %d and grew again, want 2", c, latencyQuietMax)
 	}
 }
+
+// A young window's one slow GET does not set the delay: the p97 of a few
+// dozen samples is never the largest.
+func TestLatencyFewSamplesIgnoreOneSlow(t *testing.T) {
+	l := &latency{floor: time.Millisecond}
+	now := time.Unix(1000, 0)
+	l.add(latencyQuiet, 200*time.Millisecond, now)
+	feed(l, latencyQuiet, 2*latencyEvery+3, 21*time.Millisecond, now) // recomputed at 2×latencyEvery samples
+	if d := l.delay(latencyQuiet); d != 21*time.Millisecond {
+		t.Errorf("delay %v after 1 slow GET and %d fast ones, want 21ms", d, 2*latencyEvery-1)
+	}
+}
