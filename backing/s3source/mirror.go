@@ -135,12 +135,18 @@ type mirrorFile struct {
 	mu   sync.RWMutex
 	etag string   // GUARDED_BY(mu): "" once the object is known changed
 	bits []uint64 // GUARDED_BY(mu): bit p%64 of bits[p/64]: page p is mirrored
+	// gen grows, under mu.Lock, when etag changes (a reset empties the
+	// data file, an invalidation disowns it).
+	gen atomic.Uint64
 }
 
 // extent is 2 MiB of a mirror file: the unit of eviction.
 type extent struct {
 	pages int64        // GUARDED_BY(m.mu): its pages whose bit is set
 	stamp atomic.Int64 // the mirror's clock when last read or written
+	// gen grows, under f.mu.Lock, before the extent's bits are cleared to
+	// punch it: a read that started before sees it changed when it ends.
+	gen atomic.Uint64
 }
 
 // Mirror is the mirror's configuration (Dir "": none).
@@ -355,6 +361,7 @@ func (m *mirror) resetLocked(f *mirrorFile, etag string) error {
 	}
 	clear(f.bits)
 	f.etag = etag
+	f.gen.Add(1)
 	hdr := make([]byte, mirrorHeader+8*len(f.bits))
 	copy(hdr, mirrorMagic)
 	binary.LittleEndian.PutUint32(hdr[8:], mirrorPage)
@@ -429,42 +436,57 @@ func (f *mirrorFile) answer(off int64, n int, start int64, buf []byte, got int, 
 // miss(r) should its read fail), and returns the others. done runs once
 // every read submitted has completed (at once when none was).
 //
-// f.mu stays read-locked from the check of the bits until the last of
-// these reads completes: an eviction clears an extent's bits under
-// f.mu.Lock before it punches its bytes, so it waits for them, and no read
-// returns the zeros of a punched page. It is taken once for the batch (a
-// second RLock by a holder deadlocks behind a waiting Lock).
+// No lock is held during the reads (a read's completion may submit reads
+// of its own: a lock held until then could wait on itself). Instead a read
+// notes the generations of its file and extents when it checks the bits,
+// and its bytes count only if they are the same once it completed: an
+// eviction bumps its extent's generation before it clears the bits and
+// punches the bytes, a reset or invalidation the file's, so a read that
+// may have seen a punched page's zeros, or a reset file, is a miss.
 func (f *mirrorFile) submit(etag string, reads []*backing.ShardRead, hit func(r *backing.ShardRead, data []byte), miss func(r *backing.ShardRead), done func()) (rest []*backing.ShardRead) {
 	var reqs []*ioengine.Req
 	var pending atomic.Int64
 	f.mu.RLock()
 	ok := f.etag == etag
+	gen := f.gen.Load()
 	for _, r := range reads {
 		if !ok || !f.coveredLocked(r.Off, r.Len) {
 			rest = append(rest, r)
 			continue
 		}
 		start, buf := f.readBuf(r.Off, r.Len)
+		extGen := f.extentGens(r.Off, r.Len)
 		reqs = append(reqs, &ioengine.Req{Fd: int(f.rfd.Fd()), Off: start, Buf: buf, Done: func(got int, err error) {
-			if data, ok := f.answer(r.Off, r.Len, start, buf, got, err); ok {
+			if f.gen.Load() != gen || f.extentGens(r.Off, r.Len) != extGen {
+				miss(r)
+			} else if data, ok := f.answer(r.Off, r.Len, start, buf, got, err); ok {
 				hit(r, data)
 			} else {
 				miss(r)
 			}
 			if pending.Add(-1) == 0 {
-				f.mu.RUnlock()
 				done()
 			}
 		}})
 	}
+	f.mu.RUnlock()
 	if len(reqs) == 0 {
-		f.mu.RUnlock()
 		done()
 		return rest
 	}
 	pending.Store(int64(len(reqs)))
 	f.m.engine.Submit(reqs...)
 	return rest
+}
+
+// extentGens sums the generations of the extents of [off, off+n): each only
+// grows, so the sum changes when any does.
+func (f *mirrorFile) extentGens(off int64, n int) uint64 {
+	var sum uint64
+	for e := off / mirrorExtent; e <= (off+int64(n)-1)/mirrorExtent; e++ {
+		sum += f.ext[e].gen.Load()
+	}
+	return sum
 }
 
 // openDirect opens path for reads with O_DIRECT, if its filesystem takes
@@ -593,6 +615,7 @@ func (f *mirrorFile) invalidate(etag string) {
 	f.mu.Lock()
 	if f.etag == etag {
 		f.etag = ""
+		f.gen.Add(1)
 	}
 	f.mu.Unlock()
 }
@@ -755,6 +778,7 @@ func (m *mirror) evictLocked() {
 		start := int64(vi) * mirrorExtent
 		end := min(start+mirrorExtent, vf.size)
 		vf.mu.Lock()
+		vf.ext[vi].gen.Add(1)
 		first, last := start/mirrorPage, (end-1)/mirrorPage
 		for p := first; p <= last; p++ {
 			vf.bits[p/64] &^= 1 << (p % 64)
