@@ -291,7 +291,7 @@ func (r *geomRun) objectStoreDecode(ctx context.Context, d *daemonproc.Daemon, n
 
 // coldMisses times single faults on cold pages of layer 0's widest table
 // (a page a row in the big geometry) that the decode did not touch: one
-// GET each, on the demand path, hedged after the recent p95.
+// GET each, on the demand path, hedged after the recent p97.
 func (r *geomRun) coldMisses(ctx context.Context, d *daemonproc.Daemon) (_ *ColdMisses, err error) {
 	defer guardFaults(&err)()
 	n := r.cfg.ObjectStore.Misses

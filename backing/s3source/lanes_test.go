@@ -92,7 +92,7 @@ func TestPrefetchNeverHedged(t *testing.T) {
 			t.Fatal(errs[0])
 		}
 	}
-	if src.lat.delay() == 0 {
+	if src.lat.delay(latencyQuiet) == 0 {
 		t.Fatal("no p95 after 200 GETs")
 	}
 	// A prefetch GET whose first GET stalls until released, and a demand

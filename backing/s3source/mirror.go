@@ -11,9 +11,12 @@ import (
 	"path/filepath"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -24,6 +27,16 @@ type MirrorConfig struct {
 	// Size is the budget of mirrored bytes: least recently used 2 MiB
 	// extents are punched out of the mirror files beyond it.
 	Size int64
+	// Engine reads mirrored pages: the read engine local shards use
+	// (io_uring, or a pread pool), with O_DIRECT where the mirror's
+	// filesystem takes it. nil: the mirror runs its own engine, of
+	// mirrorQueueDepth reads in flight.
+	Engine ioengine.Engine
+	// FillRate, when not 0, turns on the background fill lane: the pages
+	// of open shards not mirrored yet are fetched into the mirror at most
+	// this many bytes a second, in GET slots nobody waits for, while the
+	// budget has room (filler).
+	FillRate int64
 }
 
 // MirrorExtent is the unit of the mirror's eviction: 2 MiB of a shard.
@@ -51,6 +64,9 @@ const (
 	// best effort, and a full queue drops (never blocks a read).
 	mirrorQueue = 4096
 	mirrorBatch = 512 // writes per fdatasync at most
+	// mirrorQueueDepth is the depth of the mirror's own read engine, when
+	// it is given none.
+	mirrorQueueDepth = 64
 )
 
 // mirror is the mirror directory of one Source. Its writer goroutine is the
@@ -61,6 +77,12 @@ type mirror struct {
 	st     *stats.Counters
 	lock   *os.File // flock(LOCK_EX) on DIR/.lock: one daemon per mirror
 	clock  atomic.Int64
+
+	engine    ioengine.Engine
+	ownEngine bool // the mirror made engine: close it
+	// buffered says why mirror files are read through the page cache
+	// (their filesystem refused O_DIRECT; tmpfs does); "": O_DIRECT.
+	buffered atomic.Pointer[string]
 
 	mu    sync.Mutex
 	files map[string]*mirrorFile // GUARDED_BY(mu): by shard name
@@ -74,6 +96,8 @@ type mirror struct {
 	// noBits (tests): write and sync pages but never set their bits, as
 	// a crash between the write and the bit would.
 	noBits bool
+	// noDirect (tests): open mirror files as if O_DIRECT failed.
+	noDirect bool
 }
 
 // mirrorWrite is pages [off, off+len(data)) of f as of etag, or, with
@@ -85,26 +109,44 @@ type mirrorWrite struct {
 	off     int64
 	data    []byte
 	barrier chan struct{}
+	// fill: from the fill lane: written only while the budget has room
+	// (it never evicts), and the extent's LRU stamp is left as it was.
+	fill bool
 }
 
 // mirrorFile is the mirror of one shard.
 type mirrorFile struct {
 	m          *mirror
 	name       string
-	data, meta *os.File
+	data, meta *os.File // data: written (buffered), punched, truncated
 	size       int64
 	pages      int64
 	ext        []*extent // by extent index
 
+	// Pages are read from rfd: data opened again with O_DIRECT (direct),
+	// else data itself; in reads aligned to align (the filesystem's O_DIRECT
+	// offset alignment: 512 on ext4, not a mirror page: a table's 4 KiB page
+	// at an unaligned shard offset is then a read of 4.5 KiB, not 8), into
+	// buffers aligned to memAl.
+	rfd          *os.File
+	direct       bool
+	align, memAl int64
+
 	mu   sync.RWMutex
 	etag string   // GUARDED_BY(mu): "" once the object is known changed
 	bits []uint64 // GUARDED_BY(mu): bit p%64 of bits[p/64]: page p is mirrored
+	// gen grows, under mu.Lock, when etag changes (a reset empties the
+	// data file, an invalidation disowns it).
+	gen atomic.Uint64
 }
 
 // extent is 2 MiB of a mirror file: the unit of eviction.
 type extent struct {
 	pages int64        // GUARDED_BY(m.mu): its pages whose bit is set
 	stamp atomic.Int64 // the mirror's clock when last read or written
+	// gen grows, under f.mu.Lock, before the extent's bits are cleared to
+	// punch it: a read that started before sees it changed when it ends.
+	gen atomic.Uint64
 }
 
 // Mirror is the mirror's configuration (Dir "": none).
@@ -126,12 +168,32 @@ func openMirror(cfg MirrorConfig, st *stats.Counters) (*mirror, error) {
 		return nil, fmt.Errorf("mirror %s: in use by another process (%v)", cfg.Dir, err)
 	}
 	m := &mirror{
-		dir: cfg.Dir, budget: cfg.Size, st: st, lock: lock,
+		dir: cfg.Dir, budget: cfg.Size, st: st, lock: lock, engine: cfg.Engine,
 		files: map[string]*mirrorFile{},
 		queue: make(chan mirrorWrite, mirrorQueue), done: make(chan struct{}),
 	}
+	if m.engine == nil {
+		e, _, err := ioengine.New("auto", mirrorQueueDepth)
+		if err != nil {
+			lock.Close()
+			return nil, fmt.Errorf("mirror: %w", err)
+		}
+		m.engine, m.ownEngine = e, true
+	}
 	go m.writer()
 	return m, nil
+}
+
+// Buffered says why the mirror's pages are read through the page cache
+// ("": they are read with O_DIRECT, or no shard is open yet).
+func (s *Source) MirrorBuffered() string {
+	if s.mir == nil {
+		return ""
+	}
+	if why := s.mir.buffered.Load(); why != nil {
+		return *why
+	}
+	return ""
 }
 
 // close stops the writer once the queued writes are settled, and closes
@@ -149,7 +211,13 @@ func (m *mirror) close() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	var errs []error
+	if m.ownEngine {
+		errs = append(errs, m.engine.Close())
+	}
 	for _, f := range m.files {
+		if f.direct {
+			errs = append(errs, f.rfd.Close())
+		}
 		errs = append(errs, f.data.Close(), f.meta.Close())
 	}
 	errs = append(errs, m.lock.Close())
@@ -224,6 +292,7 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 		m: m, name: name, data: data, meta: meta, size: size, pages: pages,
 		ext:  make([]*extent, (size+mirrorExtent-1)/mirrorExtent),
 		bits: make([]uint64, (pages+63)/64),
+		rfd:  data, align: 1, memAl: 1,
 	}
 	for i := range f.ext {
 		f.ext[i] = &extent{}
@@ -240,6 +309,12 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 		data.Close()
 		meta.Close()
 		return nil, err
+	}
+	if rfd, align, memAl, err := m.openDirect(base + ".data"); err == nil {
+		f.rfd, f.direct, f.align, f.memAl = rfd, true, align, memAl
+	} else {
+		why := err.Error()
+		m.buffered.CompareAndSwap(nil, &why)
 	}
 	m.files[name] = f
 	if m.used > m.budget {
@@ -286,6 +361,7 @@ func (m *mirror) resetLocked(f *mirrorFile, etag string) error {
 	}
 	clear(f.bits)
 	f.etag = etag
+	f.gen.Add(1)
 	hdr := make([]byte, mirrorHeader+8*len(f.bits))
 	copy(hdr, mirrorMagic)
 	binary.LittleEndian.PutUint32(hdr[8:], mirrorPage)
@@ -320,32 +396,155 @@ func (f *mirrorFile) coveredLocked(off int64, n int) bool {
 	return true
 }
 
-// covered reports whether a read of [off, off+n) of the object as of etag
-// would be served by the mirror now.
-func (f *mirrorFile) covered(etag string, off int64, n int) bool {
-	f.mu.RLock()
-	defer f.mu.RUnlock()
-	return f.etag == etag && f.coveredLocked(off, n)
-}
-
 // read returns [off, off+n) of the object as of etag from the mirror, or
-// false when any of it is not mirrored (any more).
+// false when any of it is not mirrored (any more). It waits for the read.
 func (f *mirrorFile) read(etag string, off int64, n int) ([]byte, bool) {
 	f.mu.RLock()
 	if f.etag != etag || !f.coveredLocked(off, n) {
 		f.mu.RUnlock()
 		return nil, false
 	}
-	buf := make([]byte, n)
-	got, err := f.data.ReadAt(buf, off)
+	start, buf := f.readBuf(off, n)
+	got, err := preadFull(int(f.rfd.Fd()), buf, start)
 	f.mu.RUnlock()
-	if err != nil || got != n {
+	return f.answer(off, n, start, buf, got, err)
+}
+
+// readBuf returns the offset and an aligned buffer for a read of [off,
+// off+n) of the mirror file.
+func (f *mirrorFile) readBuf(off int64, n int) (int64, []byte) {
+	start := off / f.align * f.align
+	end := (off + int64(n) + f.align - 1) / f.align * f.align
+	return start, alignedBuf(int(end-start), f.memAl)
+}
+
+// answer turns got bytes read into buf at start into [off, off+n), or
+// false. The last page may be short: the file ends with the object.
+func (f *mirrorFile) answer(off int64, n int, start int64, buf []byte, got int, err error) ([]byte, bool) {
+	if err != nil || int64(got) < off+int64(n)-start {
 		return nil, false
 	}
 	f.touch(off, int64(n))
 	f.m.st.MirrorHits.Add(1)
 	f.m.st.MirrorBytesRead.Add(uint64(n))
-	return buf, true
+	lo := off - start
+	return buf[lo : lo+int64(n) : lo+int64(n)], true
+}
+
+// submit reads the reads wholly inside mirrored pages of the object as of
+// etag through the mirror's engine, each answered by hit(r, data) (or
+// miss(r) should its read fail), and returns the others. done runs once
+// every read submitted has completed (at once when none was).
+//
+// No lock is held during the reads (a read's completion may submit reads
+// of its own: a lock held until then could wait on itself). Instead a read
+// notes the generations of its file and extents when it checks the bits,
+// and its bytes count only if they are the same once it completed: an
+// eviction bumps its extent's generation before it clears the bits and
+// punches the bytes, a reset or invalidation the file's, so a read that
+// may have seen a punched page's zeros, or a reset file, is a miss.
+func (f *mirrorFile) submit(etag string, reads []*backing.ShardRead, hit func(r *backing.ShardRead, data []byte), miss func(r *backing.ShardRead), done func()) (rest []*backing.ShardRead) {
+	var reqs []*ioengine.Req
+	var pending atomic.Int64
+	f.mu.RLock()
+	ok := f.etag == etag
+	gen := f.gen.Load()
+	for _, r := range reads {
+		if !ok || !f.coveredLocked(r.Off, r.Len) {
+			rest = append(rest, r)
+			continue
+		}
+		start, buf := f.readBuf(r.Off, r.Len)
+		extGen := f.extentGens(r.Off, r.Len)
+		reqs = append(reqs, &ioengine.Req{Fd: int(f.rfd.Fd()), Off: start, Buf: buf, Done: func(got int, err error) {
+			if f.gen.Load() != gen || f.extentGens(r.Off, r.Len) != extGen {
+				miss(r)
+			} else if data, ok := f.answer(r.Off, r.Len, start, buf, got, err); ok {
+				hit(r, data)
+			} else {
+				miss(r)
+			}
+			if pending.Add(-1) == 0 {
+				done()
+			}
+		}})
+	}
+	f.mu.RUnlock()
+	if len(reqs) == 0 {
+		done()
+		return rest
+	}
+	pending.Store(int64(len(reqs)))
+	f.m.engine.Submit(reqs...)
+	return rest
+}
+
+// extentGens sums the generations of the extents of [off, off+n): each only
+// grows, so the sum changes when any does.
+func (f *mirrorFile) extentGens(off int64, n int) uint64 {
+	var sum uint64
+	for e := off / mirrorExtent; e <= (off+int64(n)-1)/mirrorExtent; e++ {
+		sum += f.ext[e].gen.Load()
+	}
+	return sum
+}
+
+// openDirect opens path for reads with O_DIRECT, if its filesystem takes
+// them at mirror page offsets, and returns the offset and memory
+// alignments they need (a mirror page where statx does not say).
+func (m *mirror) openDirect(path string) (*os.File, int64, int64, error) {
+	if m.noDirect {
+		return nil, 0, 0, errors.New("O_DIRECT off (test)")
+	}
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, 0, 0, fmt.Errorf("open %s with O_DIRECT: %w", path, err)
+	}
+	f := os.NewFile(uintptr(fd), path)
+	align, memAl := int64(mirrorPage), int64(mirrorPage)
+	var sx unix.Statx_t
+	if unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
+		if sx.Dio_offset_align == 0 || mirrorPage%sx.Dio_offset_align != 0 {
+			f.Close()
+			return nil, 0, 0, fmt.Errorf("%s: O_DIRECT needs offsets aligned to %d bytes", path, sx.Dio_offset_align)
+		}
+		align, memAl = int64(sx.Dio_offset_align), max(int64(sx.Dio_mem_align), 1)
+	}
+	// Some filesystems take O_DIRECT at open and refuse it at read: probe
+	// (the file has its size already: a hole reads as zeros).
+	if _, err := unix.Pread(fd, alignedBuf(int(align), memAl), 0); err != nil {
+		f.Close()
+		return nil, 0, 0, fmt.Errorf("read %s with O_DIRECT: %w", path, err)
+	}
+	return f, align, memAl, nil
+}
+
+// alignedBuf returns n bytes whose address is a multiple of memAl.
+func alignedBuf(n int, memAl int64) []byte {
+	if memAl <= 1 {
+		return make([]byte, n)
+	}
+	b := make([]byte, n+int(memAl))
+	skip := int(memAl-int64(uintptr(unsafe.Pointer(&b[0])))%memAl) % int(memAl)
+	return b[skip : skip+n : skip+n]
+}
+
+// preadFull reads until buf is full, EOF or an error.
+func preadFull(fd int, buf []byte, off int64) (int, error) {
+	done := 0
+	for done < len(buf) {
+		n, err := unix.Pread(fd, buf[done:], off+int64(done))
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			return done, err
+		case n == 0:
+			return done, nil
+		}
+		done += n
+	}
+	return done, nil
 }
 
 func (f *mirrorFile) touch(off, n int64) {
@@ -379,12 +578,44 @@ func (f *mirrorFile) put(etag string, off int64, buf []byte) {
 	f.m.send(mirrorWrite{f: f, etag: etag, off: lo, data: data}, false)
 }
 
+// putFill queues pages fetched by the fill lane, waiting for room in the
+// queue (the lane has nothing better to do).
+func (f *mirrorFile) putFill(etag string, off int64, buf []byte) {
+	f.m.send(mirrorWrite{f: f, etag: etag, off: off, data: buf, fill: true}, true)
+}
+
+// full reports whether n more mirrored bytes would not fit the budget.
+func (m *mirror) full(n int64) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.used+n > m.budget
+}
+
+// unmirrored returns the first page at or after page from that is not
+// mirrored, if the mirror is of the object as of etag.
+func (f *mirrorFile) unmirrored(etag string, from int64) (int64, bool) {
+	f.mu.RLock()
+	defer f.mu.RUnlock()
+	if f.etag != etag {
+		return 0, false
+	}
+	for p := from; p < f.pages; p++ {
+		if w := f.bits[p/64]; w == ^uint64(0) && p%64 == 0 {
+			p += 63 // a whole word mirrored
+		} else if w&(1<<(p%64)) == 0 {
+			return p, true
+		}
+	}
+	return 0, false
+}
+
 // invalidate stops serving the mirror of the object as of etag: it
 // changed. The next open with the new ETag discards the mirror.
 func (f *mirrorFile) invalidate(etag string) {
 	f.mu.Lock()
 	if f.etag == etag {
 		f.etag = ""
+		f.gen.Add(1)
 	}
 	f.mu.Unlock()
 }
@@ -419,12 +650,21 @@ func (m *mirror) writer() {
 }
 
 func (m *mirror) flush(batch []mirrorWrite) {
-	// 1. Write the pages (under f.mu: a reset never runs meanwhile).
+	// 1. Write the pages (under f.mu: a reset never runs meanwhile). A
+	// fill write that would not fit the budget is dropped.
 	written := batch[:0:0]
 	synced := map[*mirrorFile]bool{}
+	var filling int64
 	for _, w := range batch {
 		if w.f == nil {
 			continue
+		}
+		if w.fill {
+			n := int64(len(w.data))
+			if m.full(filling + n) {
+				continue
+			}
+			filling += n
 		}
 		f := w.f
 		f.mu.RLock()
@@ -439,9 +679,16 @@ func (m *mirror) flush(batch []mirrorWrite) {
 			synced[f] = false
 		}
 	}
-	// 2. Make them durable.
+	// 2. Make them durable; then drop them from the page cache, which
+	// O_DIRECT reads pass by (kept, every mirrored page would be in RAM
+	// twice: here and in the mount's page cache).
 	for f := range synced {
 		synced[f] = unix.Fdatasync(int(f.data.Fd())) == nil
+	}
+	for _, w := range written {
+		if w.f.direct && synced[w.f] {
+			_ = unix.Fadvise(int(w.f.data.Fd()), w.off, int64(len(w.data)), unix.FADV_DONTNEED)
+		}
 	}
 	// 3. Set and persist their bits.
 	m.mu.Lock()
@@ -454,8 +701,20 @@ func (m *mirror) flush(batch []mirrorWrite) {
 				continue
 			}
 			f.mu.Lock()
+			first, last := w.off/mirrorPage, (w.off+int64(len(w.data))-1)/mirrorPage
+			if w.fill {
+				var add int64
+				for p := first; p <= last; p++ {
+					if f.bits[p/64]&(1<<(p%64)) == 0 {
+						add += mirrorPage
+					}
+				}
+				if m.used+add > m.budget {
+					f.mu.Unlock()
+					continue // the fill lane never makes the mirror evict
+				}
+			}
 			if f.etag == w.etag {
-				first, last := w.off/mirrorPage, (w.off+int64(len(w.data))-1)/mirrorPage
 				for p := first; p <= last; p++ {
 					if f.bits[p/64]&(1<<(p%64)) == 0 {
 						f.bits[p/64] |= 1 << (p % 64)
@@ -471,7 +730,9 @@ func (m *mirror) flush(batch []mirrorWrite) {
 				m.st.MirrorBytesWritten.Add(uint64(len(w.data)))
 			}
 			f.mu.Unlock()
-			f.touch(w.off, int64(len(w.data)))
+			if !w.fill {
+				f.touch(w.off, int64(len(w.data)))
+			}
 		}
 		for f, r := range dirty {
 			f.mu.RLock()
@@ -517,6 +778,7 @@ func (m *mirror) evictLocked() {
 		start := int64(vi) * mirrorExtent
 		end := min(start+mirrorExtent, vf.size)
 		vf.mu.Lock()
+		vf.ext[vi].gen.Add(1)
 		first, last := start/mirrorPage, (end-1)/mirrorPage
 		for p := first; p <= last; p++ {
 			vf.bits[p/64] &^= 1 << (p % 64)

@@ -2,15 +2,20 @@ package s3source
 
 import (
 	"bytes"
+	"fmt"
 	"math/rand/v2"
 	"net/url"
 	"os"
 	"path/filepath"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/backing/sourcetest"
 	"github.com/engramfs/engramfs/internal/stats"
 )
@@ -314,4 +319,240 @@ func TestConformanceFakeMirror(t *testing.T) {
 		t.Cleanup(func() { src.Close() })
 		return src
 	})
+}
+
+// testEngine returns a read engine of depth reads in flight, closed when
+// the test ends.
+func testEngine(t testing.TB, depth int) ioengine.Engine {
+	t.Helper()
+	e, _, err := ioengine.New("auto", depth)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+// engineMirrorSource opens a Source over a fake store holding
+// mirrorObject(seed), with a mirror of budget bytes in dir read through
+// eng.
+func engineMirrorSource(t testing.TB, eng ioengine.Engine, dir string, seed uint64, budget int64) (*Source, *stats.Counters, []byte) {
+	t.Helper()
+	f := newFakeStore()
+	want := mirrorObject(nil, seed)
+	f.put("m/"+mirrorKey, want)
+	cfg := testConfig()
+	cfg.Mirror = MirrorConfig{Dir: dir, Size: budget, Engine: eng}
+	st := &stats.Counters{}
+	src, err := newSource(f, "bucket", "m/", cfg, st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src, st, want
+}
+
+// countingEngine counts the reads submitted to an engine.
+type countingEngine struct {
+	ioengine.Engine
+	reads atomic.Int64
+}
+
+func (e *countingEngine) Submit(reqs ...*ioengine.Req) {
+	e.reads.Add(int64(len(reqs)))
+	e.Engine.Submit(reqs...)
+}
+
+// residentPages counts the pages of path in the page cache.
+func residentPages(t *testing.T, path string) int {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, int(fi.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	vec := make([]byte, (len(m)+4095)/4096)
+	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
+		t.Fatal(errno)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
+	}
+	return n
+}
+
+// Mirrored pages are read through the engine given (the one local shards
+// use) with O_DIRECT where the filesystem takes it: neither the mirror's
+// writes nor its reads leave the pages in the page cache. Where O_DIRECT
+// fails (older tmpfs; here a test knob) they are read buffered, with the
+// same bytes, and the Source says why.
+func TestMirrorReadsThroughEngine(t *testing.T) {
+	for _, direct := range []bool{true, false} {
+		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
+			dir := t.TempDir()
+			eng := &countingEngine{Engine: testEngine(t, 8)}
+			src, st, want := engineMirrorSource(t, eng, dir, 6, 64<<20)
+			if !direct {
+				src.mir.noDirect = true
+			}
+			sf, err := src.Open(mirrorKey)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if why := src.MirrorBuffered(); (why == "") != direct {
+				t.Fatalf("MirrorBuffered() = %q", why)
+			}
+			offs := []int64{0, 1 << 20, 7<<20 + 4096, int64(len(want)) - 5000}
+			check(t, sf, want, offs, 5000)
+			src.mir.sync()
+			gets := st.S3Gets.Load()
+			check(t, sf, want, offs, 5000)
+			check(t, sf, want, []int64{1<<20 + 100}, 3000)
+			if st.S3Gets.Load() != gets || st.MirrorHits.Load() != uint64(len(offs)+1) {
+				t.Errorf("%d GETs, %d mirror hits for mirrored reads; want 0, %d", st.S3Gets.Load()-gets, st.MirrorHits.Load(), len(offs)+1)
+			}
+			if n := eng.reads.Load(); n != int64(len(offs)+1) {
+				t.Errorf("%d reads through the engine, want %d", n, len(offs)+1)
+			}
+			if direct {
+				if n := residentPages(t, filepath.Join(dir, url.PathEscape(mirrorKey)+".data")); n != 0 {
+					t.Errorf("%d pages of the mirror file in the page cache, want 0 (O_DIRECT reads, written pages dropped)", n)
+				}
+			}
+			closeAll(t, sf, src)
+		})
+	}
+}
+
+// Reads race evictions: a mirror of one extent under readers of random
+// pages of a 16 MiB object. No read returns anything but the object's
+// bytes (a read of a page being punched would return zeros).
+func TestMirrorReadsRaceEvictions(t *testing.T) {
+	f := newFakeStore()
+	want := mirrorObject(t, 7)
+	f.put("m/"+mirrorKey, want)
+	src, st := mirrorSource(t, f, t.TempDir(), mirrorExtent)
+	sf, err := src.Open(mirrorKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(g), 8))
+			for i := range 150 {
+				if g == 0 && i%10 == 9 {
+					src.mir.sync() // a busy writer drops pages: let it catch up
+				}
+				// Mostly the first extents (mirrored, read again), some
+				// elsewhere (fetched, mirrored, evicting).
+				var offs []int64
+				for range 8 {
+					ext := rng.Int64N(2)
+					if rng.IntN(4) == 0 {
+						ext = rng.Int64N(8)
+					}
+					offs = append(offs, ext*mirrorExtent+rng.Int64N(mirrorExtent/4096)*4096)
+				}
+				data, errs := readPages(t, sf, offs, 4096)
+				for i, off := range offs {
+					if errs[i] != nil || !bytes.Equal(data[i], want[off:off+4096]) {
+						t.Errorf("read at %d: %v, or wrong bytes", off, errs[i])
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if st.MirrorHits.Load() == 0 || st.MirrorEvictions.Load() == 0 {
+		t.Errorf("%d mirror hits, %d evictions: the race was not run", st.MirrorHits.Load(), st.MirrorEvictions.Load())
+	}
+	t.Logf("%d mirror hits, %d evictions, %d GETs", st.MirrorHits.Load(), st.MirrorEvictions.Load(), st.S3Gets.Load())
+	closeAll(t, sf, src)
+}
+
+// holdingEngine holds the reads submitted while hold is set, until
+// release.
+type holdingEngine struct {
+	ioengine.Engine
+	mu   sync.Mutex
+	hold bool
+	held []*ioengine.Req
+}
+
+func (e *holdingEngine) Submit(reqs ...*ioengine.Req) {
+	e.mu.Lock()
+	if e.hold {
+		e.held = append(e.held, reqs...)
+		e.mu.Unlock()
+		return
+	}
+	e.mu.Unlock()
+	e.Engine.Submit(reqs...)
+}
+
+func (e *holdingEngine) release() {
+	e.mu.Lock()
+	held := e.held
+	e.hold, e.held = false, nil
+	e.mu.Unlock()
+	e.Engine.Submit(held...)
+}
+
+// A mirror read in flight while its extent is evicted and punched: its
+// bytes (maybe the zeros of the hole) are not used; it is answered by a
+// GET, with the object's bytes. Eviction does not wait for reads.
+func TestMirrorReadRacingEvictionRefetches(t *testing.T) {
+	eng := &holdingEngine{Engine: testEngine(t, 8)}
+	src, st, want := engineMirrorSource(t, eng, t.TempDir(), 8, mirrorExtent)
+	sf, err := src.Open(mirrorKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check(t, sf, want, []int64{8192}, 4096)
+	src.mir.sync()
+	// A mirror hit in extent 0, held before it reaches the disk.
+	eng.mu.Lock()
+	eng.hold = true
+	eng.mu.Unlock()
+	type result struct {
+		data []byte
+		err  error
+	}
+	res := make(chan result, 1)
+	sf.Submit(&backing.ShardRead{Off: 8192, Len: 4096, Done: func(b []byte, err error) { res <- result{b, err} }})
+	waitFor(t, "the held mirror read", func() bool {
+		eng.mu.Lock()
+		defer eng.mu.Unlock()
+		return len(eng.held) == 1
+	})
+	// Extent 3 fetched and mirrored: over the budget, extent 0 (the least
+	// recently used) is evicted.
+	check(t, sf, want, []int64{3 * mirrorExtent, 3*mirrorExtent + 1<<20}, 1<<20)
+	src.mir.sync() // extent 0 evicted and punched, the read still held
+	if st.MirrorEvictions.Load() == 0 {
+		t.Fatal("no eviction")
+	}
+	gets := st.S3Gets.Load()
+	eng.release()
+	r := <-res
+	if r.err != nil || !bytes.Equal(r.data, want[8192:8192+4096]) {
+		t.Fatalf("the held read: %v, or wrong bytes (zeros: read from a punched hole)", r.err)
+	}
+	if st.S3Gets.Load() != gets+1 {
+		t.Errorf("%d GETs for the read of an evicted page, want 1", st.S3Gets.Load()-gets)
+	}
+	closeAll(t, sf, src)
 }

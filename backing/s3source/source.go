@@ -6,7 +6,7 @@
 // move 1-4 MiB per random read), merges reads submitted together that lie
 // within MergeGap of each other into one GET, serves demand reads (faults)
 // before queued prefetch reads, hedges demand GETs that have no first byte
-// after the recent p95, and retries what a store fails transiently.
+// after the recent p97, and retries what a store fails transiently.
 // Every GET is conditional on the ETag seen at mount (If-Match): an object
 // rewritten under a live mount fails with backing.ErrShardChanged, never
 // with new or mixed bytes.
@@ -76,12 +76,13 @@ type Source struct {
 	cfg    Config
 	st     *stats.Counters
 
-	slots     *slots // a slot per GET in flight; demand GETs first
-	lat       latency
-	primaries atomic.Uint64 // demand GETs that may be hedged
-	hedges    atomic.Uint64
+	slots  *slots // a slot per GET in flight; demand GETs first
+	lat    latency
+	budget hedgeBudget
 
-	mir *mirror // nil: no mirror
+	mir    *mirror  // nil: no mirror
+	fill   *filler  // nil: no fill lane
+	opened shardSet // the open shards with a mirror
 }
 
 var _ backing.Source = (*Source)(nil)
@@ -170,6 +171,9 @@ func newSource(c objectClient, bucket, prefix string, cfg Config, st *stats.Coun
 			return nil, err
 		}
 		s.mir = m
+		if cfg.Mirror.FillRate > 0 {
+			s.fill = newFiller(s, cfg.Mirror.FillRate)
+		}
 	}
 	return s, nil
 }
@@ -179,6 +183,9 @@ func newSource(c objectClient, bucket, prefix string, cfg Config, st *stats.Coun
 func (s *Source) Close() error {
 	if s.mir == nil {
 		return nil
+	}
+	if s.fill != nil {
+		s.fill.stop()
 	}
 	return s.mir.close()
 }
@@ -242,7 +249,14 @@ func (s *Source) open(name string, mirrored bool) (*shard, error) {
 		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &shard{src: s, name: name, key: key, id: backing.Identity{Size: size, ETag: etag}, mir: mf, ctx: ctx, cancel: cancel}, nil
+	sh := &shard{src: s, name: name, key: key, id: backing.Identity{Size: size, ETag: etag}, mir: mf, ctx: ctx, cancel: cancel}
+	if mf != nil {
+		s.opened.add(sh)
+		if s.fill != nil {
+			s.fill.opened()
+		}
+	}
+	return sh, nil
 }
 
 // validName accepts names with directories that stay inside the model.
@@ -344,60 +358,27 @@ func (sh *shard) Submit(reads ...*backing.ShardRead) {
 			valid = append(valid, r)
 		}
 	}
-	if sh.mir != nil {
-		var hits []*backing.ShardRead
-		valid, hits = sh.splitMirrored(valid)
-		if len(hits) > 0 {
-			groups := min(len(hits), mirrorReaders)
-			if !sh.enter(groups) {
-				err := fmt.Errorf("%s: %w", sh.url(), backing.ErrClosed)
-				for _, r := range hits {
-					r.Done(nil, err)
-				}
-			} else {
-				for g := range groups {
-					go sh.serveMirrored(hits[g*len(hits)/groups : (g+1)*len(hits)/groups])
-				}
-			}
-		}
+	if sh.mir != nil && len(valid) > 0 {
+		valid = sh.submitMirrored(valid)
 	}
 	sh.submitGETs(valid)
 }
 
-// mirrorReaders bounds the goroutines that answer one Submit's mirror hits,
-// each with a pread of the local mirror file at a time. Served one after
-// another by a single goroutine, a hinted decode step's ~100-150 hits took
-// 10-15 ms: the mirror-warm decode p50 was 15.7 ms against 5.9 ms over local
-// shards, whose reads run 64 at a time.
-const mirrorReaders = 16
-
-// splitMirrored splits reads into those that need a GET and those wholly
-// inside mirrored pages.
-func (sh *shard) splitMirrored(reads []*backing.ShardRead) (gets, hits []*backing.ShardRead) {
-	gets = reads[:0]
-	for _, r := range reads {
-		if sh.mir.covered(sh.id.ETag, r.Off, r.Len) {
-			hits = append(hits, r)
-		} else {
-			gets = append(gets, r)
-		}
+// submitMirrored reads the reads wholly inside mirrored pages from the
+// mirror, through the read engine local shards use (O_DIRECT where the
+// mirror's filesystem allows); it returns the others. A read whose pages
+// were evicted meanwhile, or whose read failed, gets a GET. Read one after
+// another by a goroutine, a hinted decode step's ~100-150 hits took 10-15
+// ms: the mirror-warm decode p50 was 15.7 ms against 5.9 ms over local
+// shards, whose reads run 64 at a time; so do these.
+func (sh *shard) submitMirrored(reads []*backing.ShardRead) []*backing.ShardRead {
+	if !sh.enter(1) {
+		return reads // submitGETs fails them
 	}
-	return gets, hits
-}
-
-// serveMirrored answers reads from the mirror by pread; a read whose pages
-// were evicted meanwhile gets a GET.
-func (sh *shard) serveMirrored(reads []*backing.ShardRead) {
-	defer sh.inflight.Done()
-	var gets []*backing.ShardRead
-	for _, r := range reads {
-		if data, ok := sh.mir.read(sh.id.ETag, r.Off, r.Len); ok {
-			r.Done(data, nil)
-		} else {
-			gets = append(gets, r)
-		}
-	}
-	sh.submitGETs(gets)
+	return sh.mir.submit(sh.id.ETag, reads,
+		func(r *backing.ShardRead, data []byte) { r.Done(data, nil) },
+		func(r *backing.ShardRead) { sh.submitGETs([]*backing.ShardRead{r}) },
+		sh.inflight.Done)
 }
 
 // submitGETs merges reads into spans and starts a goroutine per span.
@@ -509,21 +490,27 @@ const (
 )
 
 // get is one try at bytes [off, off+n): a GET in this goroutine and, when
-// hedge is set and it has no answer after the adaptive p95, a second GET;
+// hedge is set and it has no answer after the adaptive p97, a second GET;
 // the first to deliver the whole body wins and the other is canceled. A
 // GET that is not hedged costs no goroutine, channel or timer.
 func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 	s := sh.src
-	if err := s.slots.acquire(sh.ctx, demand); err != nil {
+	crowds := s.slots.crowds.Load()
+	inFlight, err := s.slots.acquire(sh.ctx, demand)
+	if err != nil {
 		return nil, err
+	}
+	tm := timing{class: -1} // prefetch GETs are never hedged: not sampled
+	if demand {
+		tm = timing{latencyClass(inFlight), crowds}
 	}
 	var delay time.Duration
 	if hedge && s.cfg.HedgePercent > 0 {
-		s.primaries.Add(1)
-		delay = s.lat.delay()
+		s.budget.earn(s.cfg.HedgePercent)
+		delay = s.lat.delay(tm.class)
 	}
 	if delay == 0 {
-		r := sh.attempt(sh.ctx, off, n, nil)
+		r := sh.attempt(sh.ctx, off, n, tm, nil)
 		return r.buf, r.err
 	}
 	ctx, cancel := context.WithCancel(sh.ctx)
@@ -534,7 +521,14 @@ func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 		if !state.CompareAndSwap(hedgeWaiting, hedgeStarted) {
 			return
 		}
-		if !s.allowHedge() || !s.slots.tryAcquire() {
+		crowds := s.slots.crowds.Load()
+		inFlight, ok := s.slots.tryAcquire()
+		if !ok {
+			hedged <- attemptResult{err: errNoHedge}
+			return
+		}
+		if !s.budget.spend() {
+			s.slots.release()
 			hedged <- attemptResult{err: errNoHedge}
 			return
 		}
@@ -542,14 +536,14 @@ func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 		sh.inflight.Add(1)
 		go func() {
 			defer sh.inflight.Done()
-			r := sh.attempt(ctx, off, n, nil)
+			r := sh.attempt(ctx, off, n, timing{latencyClass(inFlight), crowds}, nil)
 			hedged <- r
 			if r.err == nil {
 				cancel() // the primary lost
 			}
 		}()
 	})
-	r := sh.attempt(ctx, off, n, func() { state.CompareAndSwap(hedgeWaiting, hedgeNever) })
+	r := sh.attempt(ctx, off, n, tm, func() { state.CompareAndSwap(hedgeWaiting, hedgeNever) })
 	timer.Stop()
 	if state.CompareAndSwap(hedgeWaiting, hedgeNever) || state.Load() == hedgeNever || r.err == nil {
 		return r.buf, r.err
@@ -572,20 +566,10 @@ func (sh *shard) get(off, n int64, demand, hedge bool) ([]byte, error) {
 	return nil, r.err
 }
 
-// allowHedge keeps hedges within HedgePercent of demand GETs (prefetch GETs are never hedged).
-func (s *Source) allowHedge() bool {
-	h := s.hedges.Add(1)
-	if h*100 > s.primaries.Load()*s.cfg.HedgePercent {
-		s.hedges.Add(^uint64(0))
-		return false
-	}
-	return true
-}
-
 // attempt runs one GET holding a slot (taken by the caller, released here)
 // and reads the whole body; headers, when set, is called when the answer's
-// headers arrived.
-func (sh *shard) attempt(ctx context.Context, off, n int64, headers func()) attemptResult {
+// headers arrived. The time to its first byte is a sample of tm's class.
+func (sh *shard) attempt(ctx context.Context, off, n int64, tm timing, headers func()) attemptResult {
 	s := sh.src
 	defer s.slots.release()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.AttemptTimeout)
@@ -594,9 +578,15 @@ func (sh *shard) attempt(ctx context.Context, off, n int64, headers func()) atte
 	start := time.Now()
 	body, err := s.c.GetRange(ctx, sh.key, off, n, sh.id.ETag)
 	if err != nil {
+		if ctx.Err() != nil && sh.ctx.Err() == nil {
+			// Stopped by a hedge that won, or by its timeout: it had no
+			// first byte for this long at least. Left out, the slowest
+			// GETs would never be counted and the p97 would sink.
+			s.sample(tm, start)
+		}
 		return attemptResult{err: timedOut(ctx, err)}
 	}
-	s.lat.add(time.Since(start))
+	s.sample(tm, start)
 	if headers != nil {
 		headers()
 	}
@@ -608,6 +598,29 @@ func (sh *shard) attempt(ctx context.Context, off, n int64, headers func()) atte
 		return attemptResult{err: timedOut(ctx, retryablef("GET %s: range [%d, +%d): body cut short at %d bytes: %v", sh.key, off, n, got, err))}
 	}
 	return attemptResult{buf: buf}
+}
+
+// timing is how a GET's first byte is sampled: the latency class it
+// started in (-1: not sampled) and the slots' crowds count before it.
+type timing struct {
+	class  int
+	crowds uint64
+}
+
+// sample records the time since start to a GET's first byte (or to its
+// end without one). A GET that started alone but saw a crowd form before
+// its first byte counts as busy: a decode step's first GETs start with
+// few in flight and wait as long as the rest of the step's.
+func (s *Source) sample(tm timing, start time.Time) {
+	if tm.class < 0 {
+		return
+	}
+	c := tm.class
+	if s.slots.crowds.Load() != tm.crowds {
+		c = latencyBusy
+	}
+	now := time.Now()
+	s.lat.add(c, now.Sub(start), now)
 }
 
 // timedOut makes a GET that hit its own deadline retryable.
@@ -628,6 +641,7 @@ func (sh *shard) Close() error {
 	}
 	sh.closed = true
 	sh.mu.Unlock()
+	sh.src.opened.remove(sh)
 	sh.cancel()
 	sh.inflight.Wait()
 	return nil

@@ -406,7 +406,7 @@ func TestHedgesSlowGETs(t *testing.T) {
 			t.Fatal(errs[0])
 		}
 	}
-	hedges, primaries := st.S3Hedges.Load(), src.primaries.Load()
+	hedges, primaries := st.S3Hedges.Load(), src.budget.gets.Load()
 	if hedges*100 > primaries*5 {
 		t.Errorf("%d hedges for %d demand GETs: over 5%%", hedges, primaries)
 	}

@@ -270,6 +270,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	if d.store, err = backing.Open(model, d.source, st); err != nil {
 		return nil, err
 	}
+	logSource(d.source, log)
 	// Backing reads are timed as the store answers them: injected latency
 	// is not the disk's.
 	src := backing.Timed(d.store, st.Timings)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	units "github.com/docker/go-units"
+	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
@@ -27,6 +28,7 @@ type s3Flags struct {
 	// The local SSD mirror of fetched pages.
 	s3Mirror     string
 	s3MirrorSize string
+	s3FillRate   string
 }
 
 func (f *s3Flags) register(fl interface {
@@ -42,11 +44,23 @@ func (f *s3Flags) register(fl interface {
 		"s3:// MODEL_DIR: a local (SSD) directory that mirrors the pages fetched, kept across mounts; needs --s3-mirror-size")
 	fl.StringVar(&f.s3MirrorSize, "s3-mirror-size", "",
 		"s3:// MODEL_DIR: the most bytes --s3-mirror holds, e.g. 100GiB (least recently used 2 MiB extents are punched out)")
+	fl.StringVar(&f.s3FillRate, "s3-fill-rate", "",
+		"s3:// MODEL_DIR: copy the shards' pages not mirrored yet into --s3-mirror in the background at most this many bytes a second, e.g. 50MiB, in GET slots no read waits for, until the mirror is full (default 0: off)")
 }
 
-// mirrorConfig reads --s3-mirror and --s3-mirror-size.
+// mirrorConfig reads --s3-mirror, --s3-mirror-size and --s3-fill-rate.
 func (f *s3Flags) mirrorConfig() (s3source.MirrorConfig, error) {
+	var rate int64
+	if f.s3FillRate != "" {
+		r, err := units.RAMInBytes(f.s3FillRate)
+		if err != nil || r < 0 {
+			return s3source.MirrorConfig{}, usagef("--s3-fill-rate %q: want bytes a second, such as 50MiB (0: off)", f.s3FillRate)
+		}
+		rate = r
+	}
 	switch {
+	case rate > 0 && f.s3Mirror == "":
+		return s3source.MirrorConfig{}, usagef("--s3-fill-rate needs --s3-mirror DIR: it fills the mirror")
 	case f.s3Mirror == "" && f.s3MirrorSize == "":
 		return s3source.MirrorConfig{}, nil
 	case f.s3Mirror == "":
@@ -58,7 +72,7 @@ func (f *s3Flags) mirrorConfig() (s3source.MirrorConfig, error) {
 	if err != nil || size < s3source.MirrorExtent {
 		return s3source.MirrorConfig{}, usagef("--s3-mirror-size %q: want a size of at least 2MiB, such as 100GiB", f.s3MirrorSize)
 	}
-	return s3source.MirrorConfig{Dir: f.s3Mirror, Size: size}, nil
+	return s3source.MirrorConfig{Dir: f.s3Mirror, Size: size, FillRate: rate}, nil
 }
 
 // optionalBool is a boolean flag that knows whether it was given.
@@ -88,7 +102,7 @@ func (b *optionalBool) IsBoolFlag() bool { return true }
 // or a local or NFS directory whose shards engine reads.
 func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Counters) (backing.Source, error) {
 	if !s3source.IsURL(arg) {
-		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set || mf.s3Mirror != "" || mf.s3MirrorSize != "" {
+		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set || mf.s3Mirror != "" || mf.s3MirrorSize != "" || mf.s3FillRate != "" {
 			return nil, usagef("--s3-* flags apply only to an s3://bucket/prefix MODEL_DIR, not %s", arg)
 		}
 		mode, err := backing.ParseIOMode(mf.backingIO)
@@ -118,8 +132,21 @@ func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Cou
 		return nil, err
 	}
 	cfg.Mirror = mirror
+	cfg.Mirror.Engine = engine // mirrored pages are read as local shards are
 	st.ReadEngine = "s3"
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	return s3source.New(ctx, arg, cfg, st)
+}
+
+// logSource logs, once a mount's shards are open, what its source does
+// differently from what was asked: an object store mirror on a filesystem
+// without O_DIRECT (tmpfs) reads its pages through the page cache.
+func logSource(source backing.Source, log *zap.Logger) {
+	if s, ok := source.(*s3source.Source); ok {
+		if why := s.MirrorBuffered(); why != "" {
+			log.Warn("s3 mirror: no O_DIRECT on its filesystem: mirrored pages are read through the page cache",
+				zap.String("mirror", s.Mirror().Dir), zap.String("reason", why))
+		}
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"io"
 	"os"
+	"slices"
 	"testing"
 
 	"github.com/engramfs/engramfs/backing"
@@ -74,8 +75,8 @@ func TestS3MirrorFlags(t *testing.T) {
 		t.Fatalf("openSource(%s) = %T", url, src)
 	}
 	defer s3.Close()
-	if got := s3.Mirror(); got.Dir != mdir || got.Size != 100<<30 {
-		t.Errorf("mirror %+v, want %s and 100 GiB", got, mdir)
+	if got := s3.Mirror(); got.Dir != mdir || got.Size != 100<<30 || got.FillRate != 0 {
+		t.Errorf("mirror %+v, want %s and 100 GiB, no fill", got, mdir)
 	}
 	// The directory is taken: a second mount over it fails.
 	if _, err := openSource(url, parse(args...), nil, &stats.Counters{}); err == nil {
@@ -87,6 +88,8 @@ func TestS3MirrorFlags(t *testing.T) {
 		{"--s3-mirror-size", "10GiB"},
 		{"--s3-mirror", mdir, "--s3-mirror-size", "lots"},
 		{"--s3-mirror", mdir, "--s3-mirror-size", "1MiB"},
+		{"--s3-fill-rate", "50MiB"},
+		{"--s3-mirror", mdir, "--s3-mirror-size", "1GiB", "--s3-fill-rate", "fast"},
 	} {
 		if _, err := openSource(url, parse(bad...), nil, &stats.Counters{}); !errors.As(err, &ue) {
 			t.Errorf("%q: %v, want a usage error", bad, err)
@@ -111,5 +114,25 @@ func TestQueueDepthDefaults(t *testing.T) {
 		if got := queueDepthFor(c.dir, c.set); got != c.want {
 			t.Errorf("queueDepthFor(%q, %d) = %d, want %d", c.dir, c.set, got, c.want)
 		}
+	}
+}
+
+// --s3-fill-rate reaches the mirror's configuration, and -o s3_fill_rate=
+// is its fstab spelling.
+func TestS3FillRateFlag(t *testing.T) {
+	fl := flag.NewFlagSet("mount", flag.ContinueOnError)
+	fl.SetOutput(io.Discard)
+	var mf mountFlags
+	mf.register(fl)
+	if err := fl.Parse([]string{"--s3-mirror", "/m", "--s3-mirror-size", "1GiB", "--s3-fill-rate", "50MiB"}); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := mf.mirrorConfig()
+	if err != nil || cfg.FillRate != 50<<20 || cfg.Dir != "/m" {
+		t.Errorf("mirror config %+v, %v; want a fill rate of 50 MiB/s", cfg, err)
+	}
+	flags, _, err := mountArgs(helperArgs{options: []string{"s3_mirror=/m", "s3_mirror_size=1GiB", "s3_fill_rate=50MiB"}}, io.Discard)
+	if err != nil || !slices.Contains(flags, "--s3-fill-rate=50MiB") {
+		t.Errorf("-o s3_fill_rate=50MiB: %q, %v", flags, err)
 	}
 }

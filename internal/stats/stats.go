@@ -38,6 +38,9 @@ type Counters struct {
 	MirrorBytesRead    atomic.Uint64
 	MirrorBytesWritten atomic.Uint64
 	MirrorEvictions    atomic.Uint64
+	S3FillGets         atomic.Uint64
+	S3FillBytes        atomic.Uint64
+	S3FillPreempted    atomic.Uint64
 	// ReadEngine is set once, before the counters are shared.
 	ReadEngine string
 
@@ -140,6 +143,9 @@ type Snapshot struct {
 	MirrorBytesRead    uint64 `json:"mirror_bytes_read"`
 	MirrorBytesWritten uint64 `json:"mirror_bytes_written"`
 	MirrorEvictions    uint64 `json:"mirror_evictions"`
+	S3FillGets         uint64 `json:"s3_fill_gets"`
+	S3FillBytes        uint64 `json:"s3_fill_bytes"`
+	S3FillPreempted    uint64 `json:"s3_fill_preempted"`
 
 	CacheCapacityBytes int64  `json:"cache_capacity_bytes"`
 	CacheUsedBytes     int64  `json:"cache_used_bytes"`
@@ -196,6 +202,9 @@ func (c *Counters) Snapshot() Snapshot {
 		MirrorBytesRead:    c.MirrorBytesRead.Load(),
 		MirrorBytesWritten: c.MirrorBytesWritten.Load(),
 		MirrorEvictions:    c.MirrorEvictions.Load(),
+		S3FillGets:         c.S3FillGets.Load(),
+		S3FillBytes:        c.S3FillBytes.Load(),
+		S3FillPreempted:    c.S3FillPreempted.Load(),
 
 		CacheCapacityBytes: c.CacheCapacityBytes.Load(),
 		CacheUsedBytes:     c.CacheUsedBytes.Load(),
