@@ -150,7 +150,7 @@ func (s *LocalSource) openDirect(path string) (*localShard, error) {
 	}
 	// Some filesystems accept O_DIRECT at open and refuse it at read: probe.
 	if sf.id.Size > 0 {
-		buf := alignedBuf(int(align), memAl)
+		buf := AlignedBuf(int(align), memAl)
 		if _, err := unix.Pread(fd, buf, 0); err != nil {
 			f.Close()
 			return nil, err
@@ -211,8 +211,8 @@ func (sf *localShard) ReadAt(p []byte, off int64) (int, error) {
 	}
 	start := off / sf.align * sf.align
 	end := (off + int64(len(p)) + sf.align - 1) / sf.align * sf.align
-	buf := alignedBuf(int(end-start), sf.memAl)
-	got, err := preadFull(sf.fd, buf, start)
+	buf := AlignedBuf(int(end-start), sf.memAl)
+	got, err := PreadFull(sf.fd, buf, start)
 	n := copy(p, buf[min(int64(got), off-start):got])
 	if err == nil && n < len(p) {
 		err = io.EOF
@@ -288,7 +288,7 @@ func (sf *localShard) ReadSync(reads ...*ShardRead) {
 		buf := sf.bufs.get(int(end-start), sf.memAl)
 		sf.st.BackingReads.Add(1)
 		sf.st.BackingBytes.Add(uint64(len(buf)))
-		n, err := preadFull(sf.fd, buf, start)
+		n, err := PreadFull(sf.fd, buf, start)
 		answers[i].data, answers[i].err = sf.complete(r, start, buf, n, err)
 	}
 	sf.inflight.Done()
@@ -377,20 +377,21 @@ const slabChunk = 256 << 10
 func (s *slab) get(n int, memAl int64) []byte {
 	al := int(max(memAl, 1))
 	if n > slabChunk/4 {
-		return alignedBuf(n, memAl)
+		return AlignedBuf(n, memAl)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(s.cur) < n {
-		s.cur = alignedBuf(slabChunk, memAl)
+		s.cur = AlignedBuf(slabChunk, memAl)
 	}
 	b := s.cur[:n:n]
 	s.cur = s.cur[min(len(s.cur), (n+al-1)/al*al):]
 	return b
 }
 
-// alignedBuf returns n bytes whose address is a multiple of memAl.
-func alignedBuf(n int, memAl int64) []byte {
+// AlignedBuf returns n bytes whose address is a multiple of memAl (an O_DIRECT
+// buffer; the object store's mirror reads use it too).
+func AlignedBuf(n int, memAl int64) []byte {
 	if memAl <= 1 {
 		return make([]byte, n)
 	}
@@ -399,9 +400,9 @@ func alignedBuf(n int, memAl int64) []byte {
 	return b[skip : skip+n : skip+n]
 }
 
-// preadFull reads until buf is full, EOF, or an error; EINTR and short reads
+// PreadFull reads until buf is full, EOF, or an error; EINTR and short reads
 // are retried.
-func preadFull(fd int, buf []byte, off int64) (int, error) {
+func PreadFull(fd int, buf []byte, off int64) (int, error) {
 	done := 0
 	for done < len(buf) {
 		n, err := unix.Pread(fd, buf[done:], off+int64(done))

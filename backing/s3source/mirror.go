@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"sync"
 	"sync/atomic"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -405,7 +404,7 @@ func (f *mirrorFile) read(etag string, off int64, n int) ([]byte, bool) {
 		return nil, false
 	}
 	start, buf := f.readBuf(off, n)
-	got, err := preadFull(int(f.rfd.Fd()), buf, start)
+	got, err := backing.PreadFull(int(f.rfd.Fd()), buf, start)
 	f.mu.RUnlock()
 	return f.answer(off, n, start, buf, got, err)
 }
@@ -415,7 +414,7 @@ func (f *mirrorFile) read(etag string, off int64, n int) ([]byte, bool) {
 func (f *mirrorFile) readBuf(off int64, n int) (int64, []byte) {
 	start := off / f.align * f.align
 	end := (off + int64(n) + f.align - 1) / f.align * f.align
-	return start, alignedBuf(int(end-start), f.memAl)
+	return start, backing.AlignedBuf(int(end-start), f.memAl)
 }
 
 // answer turns got bytes read into buf at start into [off, off+n), or
@@ -512,39 +511,11 @@ func (m *mirror) openDirect(path string) (*os.File, int64, int64, error) {
 	}
 	// Some filesystems take O_DIRECT at open and refuse it at read: probe
 	// (the file has its size already: a hole reads as zeros).
-	if _, err := unix.Pread(fd, alignedBuf(int(align), memAl), 0); err != nil {
+	if _, err := unix.Pread(fd, backing.AlignedBuf(int(align), memAl), 0); err != nil {
 		f.Close()
 		return nil, 0, 0, fmt.Errorf("read %s with O_DIRECT: %w", path, err)
 	}
 	return f, align, memAl, nil
-}
-
-// alignedBuf returns n bytes whose address is a multiple of memAl.
-func alignedBuf(n int, memAl int64) []byte {
-	if memAl <= 1 {
-		return make([]byte, n)
-	}
-	b := make([]byte, n+int(memAl))
-	skip := int(memAl-int64(uintptr(unsafe.Pointer(&b[0])))%memAl) % int(memAl)
-	return b[skip : skip+n : skip+n]
-}
-
-// preadFull reads until buf is full, EOF or an error.
-func preadFull(fd int, buf []byte, off int64) (int, error) {
-	done := 0
-	for done < len(buf) {
-		n, err := unix.Pread(fd, buf[done:], off+int64(done))
-		switch {
-		case err == unix.EINTR:
-			continue
-		case err != nil:
-			return done, err
-		case n == 0:
-			return done, nil
-		}
-		done += n
-	}
-	return done, nil
 }
 
 func (f *mirrorFile) touch(off, n int64) {
