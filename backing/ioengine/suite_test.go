@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -391,30 +392,41 @@ func testFIFOBeyondDepth(t *testing.T, kind string) {
 			reqs := randomReqs(rng, fd, f, mode{align: 1}, 500)
 			var wg sync.WaitGroup
 			res := track(reqs, &wg)
-			var mu sync.Mutex
-			var order []int
-			for i, r := range reqs {
-				inner := r.Done
-				r.Done = func(n int, err error) {
-					mu.Lock()
-					order = append(order, i)
-					mu.Unlock()
-					inner(n, err)
-				}
-			}
+			order := recordOrder(reqs)
 			e.Submit(reqs...)
 			wait(t, &wg)
 			for i, r := range reqs {
 				checkRead(t, f, r, res[i], len(r.Buf))
 			}
 			if depth == 1 {
-				for i, got := range order {
+				for i, got := range order() {
 					if got != i {
 						t.Fatalf("depth 1: completion %d is req %d: not FIFO", i, got)
 					}
 				}
 			}
 		})
+	}
+}
+
+// recordOrder wraps the Done of every req to record the order of
+// completions (indexes into reqs); the returned func reads it.
+func recordOrder(reqs []*Req) func() []int {
+	var mu sync.Mutex
+	var order []int
+	for i, r := range reqs {
+		inner := r.Done
+		r.Done = func(n int, err error) {
+			mu.Lock()
+			order = append(order, i)
+			mu.Unlock()
+			inner(n, err)
+		}
+	}
+	return func() []int {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(order)
 	}
 }
 
@@ -430,20 +442,12 @@ func testDemandFirst(t *testing.T, kind string) {
 	reqs := randomReqs(rng, fd, f, mode{align: 1}, 300)
 	var wg sync.WaitGroup
 	res := track(reqs, &wg)
-	var mu sync.Mutex
-	var order []int
+	order := recordOrder(reqs)
 	var want []int // demand reads, then the others, each in submission order
 	for i, r := range reqs {
 		r.Demand = i%7 == 3
 		if r.Demand {
 			want = append(want, i)
-		}
-		inner := r.Done
-		r.Done = func(n int, err error) {
-			mu.Lock()
-			order = append(order, i)
-			mu.Unlock()
-			inner(n, err)
 		}
 	}
 	for i, r := range reqs {
@@ -456,9 +460,10 @@ func testDemandFirst(t *testing.T, kind string) {
 	for i, r := range reqs {
 		checkRead(t, f, r, res[i], len(r.Buf))
 	}
+	got := order()
 	for i := range want {
-		if order[i] != want[i] {
-			t.Fatalf("completion %d is req %d (demand %v), want req %d (demand %v)", i, order[i], reqs[order[i]].Demand, want[i], reqs[want[i]].Demand)
+		if got[i] != want[i] {
+			t.Fatalf("completion %d is req %d (demand %v), want req %d (demand %v)", i, got[i], reqs[got[i]].Demand, want[i], reqs[want[i]].Demand)
 		}
 	}
 }
