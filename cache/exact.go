@@ -23,9 +23,10 @@ import (
 // delivers no events: a read-only mapping never write-faults, so nothing is
 // ever asked of us. Registration needs VM_MAYWRITE, hence MAP_PRIVATE (a
 // private read-only mapping maps the page cache's own pages until written,
-// which it never is). Where any of it is refused (an older kernel, a seccomp
-// filter, vm.unprivileged_userfaultfd without CAP_SYS_PTRACE), the pinner
-// trims instead.
+// which it never is). The userfaultfd asks for user-mode faults only, which
+// any process may (whatever vm.unprivileged_userfaultfd says). Where any of
+// it is refused (an older kernel, a seccomp filter), the pinner trims
+// instead.
 //
 // A 2 MiB folio would still be mapped whole by one PMD, which MADV_NOHUGEPAGE
 // prevents only since 6.12 (do_set_pmd checks vma_thp_disabled); trimming
@@ -35,6 +36,7 @@ import (
 // Constants of <linux/userfaultfd.h>, which x/sys/unix does not carry.
 const (
 	uffdAPI             = 0xAA
+	uffdUserModeOnly    = 1          // UFFD_USER_MODE_ONLY (5.11)
 	uffdioAPI           = 0xC018AA3F // _IOWR(0xAA, 0x3F, struct uffdio_api)
 	uffdioRegister      = 0xC020AA00 // _IOWR(0xAA, 0x00, struct uffdio_register)
 	uffdFeatureWPAsync  = 1 << 15
@@ -48,7 +50,10 @@ func newExactFaults() (int, error) {
 	if !kernelAtLeast(6, 12) {
 		return -1, fmt.Errorf("kernel older than 6.12 (a 2 MiB folio may be mapped whole despite MADV_NOHUGEPAGE)")
 	}
-	fd, _, errno := unix.Syscall(unix.SYS_USERFAULTFD, unix.O_CLOEXEC|unix.O_NONBLOCK, 0, 0)
+	// User-mode faults only: that is all an unprivileged process may ask
+	// for (vm.unprivileged_userfaultfd=0), and the registration turns
+	// fault-around off for every fault in the VMA all the same.
+	fd, _, errno := unix.Syscall(unix.SYS_USERFAULTFD, unix.O_CLOEXEC|unix.O_NONBLOCK|uffdUserModeOnly, 0, 0)
 	if errno != 0 {
 		return -1, fmt.Errorf("userfaultfd: %w", errno)
 	}
