@@ -25,7 +25,7 @@ import (
 //
 //	ENGRAMFS_REQUIRE_FUSE=1 go test -run '^$' -bench 'HintsEightRanks' -benchtime 1x ./tests/
 //
-// Each rank is this test binary run again as TestHintsRankHelper (a process
+// Each rank is this test binary run again, as a rank by TestMain (a process
 // of its own, as an engine's ranks are: its own control handles, its own
 // faults), told what to do through rankEnv.
 
@@ -136,7 +136,7 @@ func runRanks(b *testing.B, w rankWork, n int) []rankResult {
 		}
 		r := &ran{}
 		runs[i] = r
-		cmd := exec.Command(os.Args[0], "-test.run=^TestHintsRankHelper$", "-test.count=1")
+		cmd := exec.Command(os.Args[0]) // TestMain runs it as a rank
 		cmd.Env = append(os.Environ(), rankEnv+"="+string(arg))
 		cmd.Stdout, cmd.Stderr = &r.out, &r.errOut
 		wg.Add(1)
@@ -165,25 +165,33 @@ func runRanks(b *testing.B, w rankWork, n int) []rankResult {
 	return out
 }
 
-// TestHintsRankHelper is one rank of BenchmarkHintsEightRanks, in a process
-// of its own; run directly, it skips.
-func TestHintsRankHelper(t *testing.T) {
-	arg := os.Getenv(rankEnv)
-	if arg == "" {
-		t.Skip("a rank process of BenchmarkHintsEightRanks")
+// TestMain runs this binary as one rank of BenchmarkHintsEightRanks when
+// rankEnv says so, and as the test binary otherwise.
+func TestMain(m *testing.M) {
+	if arg := os.Getenv(rankEnv); arg != "" {
+		if err := runRank(arg); err != nil {
+			fmt.Fprintln(os.Stderr, "rank:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
 	}
+	os.Exit(m.Run())
+}
+
+// runRank is one rank of BenchmarkHintsEightRanks, in a process of its own.
+func runRank(arg string) error {
 	var w rankWork
 	if err := json.Unmarshal([]byte(arg), &w); err != nil {
-		t.Fatal(err)
+		return err
 	}
 	dec, err := client.Open(w.Mount) // decode steps and their barriers
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	defer dec.Close()
 	pre, err := client.Open(w.Mount) // prefill chunks, never waited on
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	defer pre.Close()
 
@@ -204,7 +212,7 @@ func TestHintsRankHelper(t *testing.T) {
 					chunk[i] = start + rng.Uint64N(per)
 				}
 				if err := pre.Prefill(layer, chunk); err != nil {
-					t.Fatal(err)
+					return err
 				}
 			}
 			if step >= warmup {
@@ -218,16 +226,16 @@ func TestHintsRankHelper(t *testing.T) {
 				rows[i] = row(zipf.Uint64())
 			}
 			if err := dec.Decode(layer, rows); err != nil {
-				t.Fatal(err)
+				return err
 			}
 		}
 		st, err := dec.Barrier()
 		took := time.Since(t0)
 		if err != nil {
-			t.Fatal(err)
+			return err
 		}
 		if st.Dropped != 0 || st.Resident+st.Pinned != st.Pages {
-			t.Fatalf("step %d: decode barrier status %+v", step, st)
+			return fmt.Errorf("step %d: decode barrier status %+v", step, st)
 		}
 		if step >= warmup {
 			res.BarrierUs = append(res.BarrierUs, took.Microseconds())
@@ -236,7 +244,8 @@ func TestHintsRankHelper(t *testing.T) {
 	}
 	line, err := json.Marshal(res)
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	fmt.Println("RANK " + string(line))
+	return nil
 }
