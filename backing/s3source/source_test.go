@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -469,6 +470,21 @@ func TestSoakNoWrongBytes(t *testing.T) {
 
 func soakModel(t *testing.T) string { return soakModelRows(t, 2048) }
 
+// soakReads is how many reads (of 1 to 64 rows each, ~32 on average) a
+// soak makes: 4000, or $ENGRAMFS_SOAK_READS (the million row reads:
+// ENGRAMFS_SOAK_READS=32000).
+func soakReads(t *testing.T) int {
+	v := os.Getenv("ENGRAMFS_SOAK_READS")
+	if v == "" {
+		return 4000
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 100 {
+		t.Fatalf("ENGRAMFS_SOAK_READS=%q: want a number of reads, at least 100", v)
+	}
+	return n
+}
+
 func soakModelRows(t *testing.T, rows uint64) string {
 	dir := t.TempDir()
 	spec := backing.DefaultSynth()
@@ -504,7 +520,8 @@ func soak(t *testing.T, dir string, src backing.Source, st *stats.Counters, rewr
 		shards[sh.Name] = b
 	}
 	rng := rand.New(rand.NewPCG(13, 14))
-	const reads = 4000
+	reads := soakReads(t)
+	rowReads := 0
 	var (
 		mu                             sync.Mutex
 		ok, wrong, changed, failed, rw int
@@ -528,6 +545,7 @@ func soak(t *testing.T, dir string, src backing.Source, st *stats.Counters, rewr
 		tb := m.Tables[rng.IntN(len(m.Tables))]
 		row := rng.Int64N(int64(tb.Rows))
 		rows := 1 + rng.Int64N(min(64, int64(tb.Rows)-row))
+		rowReads += int(rows)
 		off, n := row*tb.RowBytes, int(rows*tb.RowBytes)
 		want := shards[tb.Shard.Name][tb.DataStart+off : tb.DataStart+off+int64(n)]
 		mu.Lock()
@@ -558,8 +576,8 @@ func soak(t *testing.T, dir string, src backing.Source, st *stats.Counters, rewr
 		}})
 	}
 	wg.Wait()
-	t.Logf("%d reads: %d right (%d from the mirror), %d wrong, %d ErrShardChanged, %d failed after %d attempts; %d GETs, %d retries, %d ETag failures",
-		reads, ok, st.MirrorHits.Load(), wrong, changed, failed, testConfig().Attempts, st.S3Gets.Load(), st.S3Retries.Load(), st.S3ETagFailures.Load())
+	t.Logf("%d reads (%d row reads): %d right (%d from the mirror), %d wrong, %d ErrShardChanged, %d failed after %d attempts; %d GETs, %d retries, %d ETag failures",
+		reads, rowReads, ok, st.MirrorHits.Load(), wrong, changed, failed, testConfig().Attempts, st.S3Gets.Load(), st.S3Retries.Load(), st.S3ETagFailures.Load())
 	if wrong != 0 || rw != 0 {
 		t.Fatalf("%d reads with wrong bytes, %d answered from the rewritten shard", wrong, rw)
 	}
