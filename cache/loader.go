@@ -2,7 +2,9 @@ package cache
 
 import (
 	"fmt"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/engramfs/engramfs/backing"
@@ -68,7 +70,14 @@ type Loader struct {
 	mu       sync.Mutex
 	flights  map[PageKey]*flight     // GUARDED_BY(mu)
 	negative map[PageKey]negativeHit // GUARDED_BY(mu)
+
+	inline atomic.Int32 // faults reading on their own goroutine now
 }
+
+// maxInline bounds the faults that read on their own goroutine (a thread
+// each, blocked in pread); more at once (a WILLNEED burst, many gathering
+// threads) go through the read engine, batched, their goroutines parked.
+var maxInline = int32(max(2, runtime.NumCPU()))
 
 // flight is one page being read, and the fetches that wait for it.
 type flight struct {
@@ -148,7 +157,9 @@ func (l *Loader) Fetch(runs []Run, origin Origin, done FetchDone) {
 
 // fetch is Fetch; inline: run this call's own backing reads on the calling
 // goroutine when the backing can (a fault's reader is blocked anyway, and a
-// hand-off to another thread costs more than the read on these VMs).
+// hand-off to another thread costs more than the read on these VMs), unless
+// maxInline faults already do: then a thread blocked per read costs more
+// than the hand-off, and the engine submits them together.
 func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 	var reads []*backing.TableRead
 	type failure struct {
@@ -202,8 +213,12 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 		return
 	}
 	if sr, ok := l.src.(backing.SyncReader); ok && inline {
-		sr.ReadSync(reads...)
-		return
+		if l.inline.Add(1) <= maxInline {
+			sr.ReadSync(reads...)
+			l.inline.Add(-1)
+			return
+		}
+		l.inline.Add(-1)
 	}
 	l.src.Submit(reads...)
 }

@@ -393,3 +393,57 @@ func waitUntilLoader(t *testing.T, cond func() bool) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// syncFake is a fakeBacking that can also read on the caller's goroutine,
+// holding every such read until released, and counts them.
+type syncFake struct {
+	*fakeBacking
+	inline, most atomic.Int32
+	syncs        atomic.Int32
+}
+
+func (s *syncFake) ReadSync(reads ...*backing.TableRead) {
+	n := s.inline.Add(1)
+	for m := s.most.Load(); n > m && !s.most.CompareAndSwap(m, n); m = s.most.Load() {
+	}
+	s.syncs.Add(1)
+	<-s.released
+	for _, r := range reads {
+		r.Done(s.answer(r))
+	}
+	s.inline.Add(-1)
+}
+
+// Faults read on their own goroutine (no hand-off) only while few do: with
+// many at once, the rest go to the engine together, and every fault still
+// gets its bytes.
+func TestLoaderInlineFaultsAreBounded(t *testing.T) {
+	tb := testTable(64)
+	fb := &syncFake{fakeBacking: newFakeBacking()}
+	fb.hold = func(*backing.TableRead) bool { return true }
+	l := NewLoader(fb, []*backing.Table{tb}, &stats.Counters{})
+	faults := 4*int(maxInline) + 4
+	var wg sync.WaitGroup
+	for i := range faults {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p := tb.DataPage() + uint64(i)
+			pages, err := l.Load(0, p, 1, OriginFault)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			wantPage(t, tb, p, pages[0])
+		}()
+	}
+	waitUntilLoader(t, func() bool { return int(fb.syncs.Load())+fb.readCount() == faults })
+	close(fb.released)
+	wg.Wait()
+	if most := fb.most.Load(); most > maxInline || most == 0 {
+		t.Errorf("%d faults read inline at once, want 1 to %d", most, maxInline)
+	}
+	if fb.readCount() < faults-int(maxInline) {
+		t.Errorf("%d faults went to the engine, want at least %d", fb.readCount(), faults-int(maxInline))
+	}
+}
