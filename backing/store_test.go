@@ -12,11 +12,11 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing/ioengine"
+	"github.com/engramfs/engramfs/internal/pagecache"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -470,15 +470,9 @@ func mapShards(t *testing.T, m *Model) shardMaps {
 
 func (maps shardMaps) resident(t *testing.T, sh *Shard) int {
 	t.Helper()
-	b := maps[sh]
-	vec := make([]byte, (len(b)+os.Getpagesize()-1)/os.Getpagesize())
-	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0])))
-	if errno != 0 {
-		t.Fatalf("mincore: %v", errno)
-	}
-	n := 0
-	for _, v := range vec {
-		n += int(v & 1)
+	n, err := pagecache.Count(maps[sh])
+	if err != nil {
+		t.Fatalf("mincore: %v", err)
 	}
 	return n
 }

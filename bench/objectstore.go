@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/engramfs/engramfs/internal/daemonproc"
 	"io"
 	"math/rand/v2"
 	"os"
@@ -13,11 +12,10 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unsafe"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing/s3source/s3serve"
+	"github.com/engramfs/engramfs/internal/daemonproc"
+	"github.com/engramfs/engramfs/internal/pagecache"
 )
 
 // ObjectStoreConfig is the object-store run: the big geometry's model
@@ -332,7 +330,7 @@ func (r *geomRun) coldMisses(ctx context.Context, d *daemonproc.Daemon) (_ *Cold
 		}
 		touched.seen[pageKey{src.t.ID, page}] = struct{}{}
 		p := src.data[page*4096 : page*4096+4096]
-		if err := mincore(p, vec); err != nil {
+		if err := pagecache.Mincore(p, vec); err != nil {
 			return nil, fmt.Errorf("mincore: %w", err)
 		}
 		if vec[0]&1 != 0 {
@@ -402,12 +400,12 @@ func (r *geomRun) prefillDeadline(ctx context.Context, d *daemonproc.Daemon) (*P
 	resident := func() (int, error) {
 		n := 0
 		for _, w := range wants {
-			vec := make([]byte, (len(w.src.data)+4095)/4096)
-			if err := mincore(w.src.data, vec); err != nil {
+			res, err := pagecache.Resident(w.src.data)
+			if err != nil {
 				return 0, fmt.Errorf("mincore: %w", err)
 			}
 			for p := range w.pages {
-				if vec[p]&1 != 0 {
+				if res[p] {
 					n++
 				}
 			}
@@ -591,18 +589,4 @@ func (r *Report) writeObjectStore(w io.Writer) {
 		first, _, _ := strings.Cut(o.Failed, "\n")
 		fmt.Fprintf(w, "  FAILED: %s\n", first)
 	}
-}
-
-// mincore sets vec[i] bit 0 when page i of the mapping b is in the page
-// cache (x/sys/unix has no mincore wrapper on Linux). b is the bench's own
-// mapping of the mount: the call never faults a page in.
-func mincore(b, vec []byte) error {
-	if len(b) == 0 {
-		return nil
-	}
-	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0])))
-	if errno != 0 {
-		return errno
-	}
-	return nil
 }

@@ -16,6 +16,8 @@ import (
 
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/internal/pagecache"
 )
 
 // ErrPinUnavailable is returned by Pin once mlock has been refused (no
@@ -516,9 +518,7 @@ func (p *Pinner) Resident(k PageKey) bool {
 	}
 	defer p.inflight.Done()
 	var vec [1]byte
-	// x/sys/unix has no mincore wrapper on Linux.
-	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&r[0])), uintptr(len(r)), uintptr(unsafe.Pointer(&vec[0])))
-	return errno == 0 && vec[0]&1 != 0
+	return pagecache.Mincore(r, vec[:]) == nil && vec[0]&1 != 0
 }
 
 // Close munlocks and munmaps every mapping, after waiting for calls in

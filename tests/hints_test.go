@@ -10,12 +10,12 @@ import (
 	"syscall"
 	"testing"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/hints"
+	"github.com/engramfs/engramfs/internal/pagecache"
 )
 
 // openControl opens the control file for writing.
@@ -47,13 +47,9 @@ func layerMaps(t testing.TB, d *Daemon, m *backing.Model, layer int) map[*backin
 // resident reports, for each page of b, whether it is in the page cache.
 func resident(t testing.TB, b []byte) []bool {
 	t.Helper()
-	vec := make([]byte, (len(b)+4095)/4096)
-	if _, _, e := syscall.Syscall(syscall.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0]))); e != 0 {
-		t.Fatalf("mincore: %v", e)
-	}
-	out := make([]bool, len(vec))
-	for i, v := range vec {
-		out[i] = v&1 != 0
+	out, err := pagecache.Resident(b)
+	if err != nil {
+		t.Fatalf("mincore: %v", err)
 	}
 	return out
 }

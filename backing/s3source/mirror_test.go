@@ -10,13 +10,13 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
 	"github.com/engramfs/engramfs/backing/sourcetest"
+	"github.com/engramfs/engramfs/internal/pagecache"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -379,13 +379,9 @@ func residentPages(t *testing.T, path string) int {
 		t.Fatal(err)
 	}
 	defer unix.Munmap(m)
-	vec := make([]byte, (len(m)+4095)/4096)
-	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
-		t.Fatal(errno)
-	}
-	n := 0
-	for _, v := range vec {
-		n += int(v & 1)
+	n, err := pagecache.Count(m)
+	if err != nil {
+		t.Fatal(err)
 	}
 	return n
 }
