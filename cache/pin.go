@@ -168,7 +168,7 @@ func (p *Pinner) Pinned(k PageKey) bool {
 		return false
 	}
 	bits := p.pinned[k.Table]
-	return k.Page/64 < uint64(len(bits)) && bits[k.Page/64]&(1<<(k.Page%64)) != 0
+	return k.Page/64 < uint64(len(bits)) && bitSet(bits, k.Page)
 }
 
 // PinnedPages is how many pages are locked now.
@@ -338,7 +338,7 @@ func (p *Pinner) sweep() {
 // (mapped nil: all) and not pinned in bits.
 func unpinnedRuns(runs [][2]uint64, bits []uint64, lo, hi uint64, mapped []bool) [][2]uint64 {
 	for q := lo; q < hi; q++ {
-		if bits[q/64]&(1<<(q%64)) != 0 || mapped != nil && !mapped[q-lo] {
+		if bitSet(bits, q) || mapped != nil && !mapped[q-lo] {
 			continue
 		}
 		if k := len(runs); k > 0 && runs[k-1][1] == q {
@@ -349,6 +349,9 @@ func unpinnedRuns(runs [][2]uint64, bits []uint64, lo, hi uint64, mapped []bool)
 	}
 	return runs
 }
+
+// bitSet reports whether page q's bit is set in a pinned bitmap.
+func bitSet(bits []uint64, q uint64) bool { return bits[q/64]&(1<<(q%64)) != 0 }
 
 // unmapRuns unmaps (so unlocks) runs of table's mapping b.
 func (p *Pinner) unmapRuns(table uint32, b []byte, runs [][2]uint64) {
@@ -372,7 +375,7 @@ func (p *Pinner) faultMapped(base, first, n, pages uint64, bits []uint64) (lo, h
 	// page tables (a folio is mapped whole only within its page table).
 	nlo, nhi := faultWindow(base, first, n, p.around*PageSize, pages)
 	plo, phi := max(lo, nlo-min(nlo, probeSlack)), min(hi, nhi+probeSlack)
-	pinned := func(q uint64) bool { return bits[q/64]&(1<<(q%64)) != 0 }
+	pinned := func(q uint64) bool { return bitSet(bits, q) }
 	if !audit && !p.wideTrim.Load() {
 		if m := p.mappedPages(base, plo, phi); m != nil && !reachesPast(m, plo, nlo, nhi, phi, lo, hi, pinned) {
 			return nlo, nhi, m[nlo-plo : nhi-plo], false
@@ -384,7 +387,7 @@ func (p *Pinner) faultMapped(base, first, n, pages uint64, bits []uint64) (lo, h
 		// Nothing reaches the probes, so nothing should be mapped and
 		// unpinned beyond them; if something is, faults map wider here.
 		for q := lo; q < hi; q++ {
-			if (q < plo || q >= phi) && mapped[q-lo] && bits[q/64]&(1<<(q%64)) == 0 {
+			if (q < plo || q >= phi) && mapped[q-lo] && !pinned(q) {
 				p.wideTrim.Store(true)
 				widened = true
 				p.log.Warn("faults map pages beyond the 64 KiB fault-around window here (fault_around_bytes raised?); the pinner reads whole page tables from now on",
