@@ -268,7 +268,12 @@ func (l *Loader) readDone(t *backing.Table, first, n uint64, length int64, deman
 //
 // LOCKS_EXCLUDED(l.mu)
 func (l *Loader) settle(table uint32, first uint64, pages [][]byte, err error) {
-	waiting := make([][]*fetch, len(pages))
+	// A read is one page nearly always: no allocation for its waiters.
+	var one [1][]*fetch
+	waiting := one[:]
+	if len(pages) > 1 {
+		waiting = make([][]*fetch, len(pages))
+	}
 	l.mu.Lock()
 	for i := range pages {
 		k := PageKey{Table: table, Page: first + uint64(i)}
@@ -282,30 +287,46 @@ func (l *Loader) settle(table uint32, first uint64, pages [][]byte, err error) {
 	}
 	l.mu.Unlock()
 	// One call per part: a part grows while the same fetch waits for the
-	// next page too.
-	type part struct{ lo, n uint64 } // page indexes of this read
-	open := map[*fetch]*part{}
-	flush := func(f *fetch, p *part) {
-		r := Run{Table: table, First: first + p.lo, N: p.n}
-		if err != nil {
-			f.done(r, nil, err)
-		} else {
-			f.done(r, pages[p.lo:p.lo+p.n:p.lo+p.n], nil)
-		}
-	}
+	// next page too. A read has a waiter or two, so a short list (searched
+	// linearly) holds the open parts.
+	var parts [4]openPart
+	open := parts[:0]
 	for i, ws := range waiting {
 		for _, f := range ws {
-			if p, ok := open[f]; ok && p.lo+p.n == uint64(i) {
-				p.n++
-				continue
-			} else if ok {
-				flush(f, p)
+			j := 0
+			for j < len(open) && open[j].f != f {
+				j++
 			}
-			open[f] = &part{lo: uint64(i), n: 1}
+			switch {
+			case j == len(open):
+				open = append(open, openPart{f: f, lo: uint64(i), n: 1})
+			case open[j].lo+open[j].n == uint64(i):
+				open[j].n++
+			default:
+				open[j].flush(table, first, pages, err)
+				open[j] = openPart{f: f, lo: uint64(i), n: 1}
+			}
 		}
 	}
-	for f, p := range open {
-		flush(f, p)
+	for _, p := range open {
+		p.flush(table, first, pages, err)
+	}
+}
+
+// openPart is a run of pages of one read that one fetch waits for: page
+// indexes [lo, lo+n) of the read.
+type openPart struct {
+	f     *fetch
+	lo, n uint64
+}
+
+// flush answers the part's fetch.
+func (p openPart) flush(table uint32, first uint64, pages [][]byte, err error) {
+	r := Run{Table: table, First: first + p.lo, N: p.n}
+	if err != nil {
+		p.f.done(r, nil, err)
+	} else {
+		p.f.done(r, pages[p.lo:p.lo+p.n:p.lo+p.n], nil)
 	}
 }
 
