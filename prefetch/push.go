@@ -41,15 +41,30 @@ func (p *Prefetcher) signalPushers() {
 	}
 }
 
+// pushScratch is one pusher's reusable memory: a pusher handles every
+// fetched page, so it allocates nothing per batch once warm.
+type pushScratch struct {
+	batch   []outcome // the previous batch, emptied: the next p.out
+	buf     []byte    // merged stores
+	done    []settled
+	decode  []cache.PageKey
+	prefill []cache.PageKey
+}
+
+// maxScratch bounds what a pusher keeps between batches (a prefill flood's
+// batch may be huge once; it is not kept).
+const maxScratch = 4096
+
 func (p *Prefetcher) pushLoop() {
 	defer p.pushers.Done()
-	var buf []byte
+	var sc pushScratch
 	for {
 		p.omu.Lock()
 		batch := p.out
-		p.out = nil
+		p.out = sc.batch[:0]
 		p.omu.Unlock()
 		if len(batch) == 0 {
+			sc.batch = batch
 			select {
 			case <-p.outReady:
 				continue
@@ -66,18 +81,23 @@ func (p *Prefetcher) pushLoop() {
 		p.mu.Lock()
 		p.pushing++
 		p.mu.Unlock()
-		buf = p.push(batch, buf)
+		p.push(batch, &sc)
 		p.mu.Lock()
 		p.pushing--
 		p.idle.Broadcast()
 		p.mu.Unlock()
+		clear(batch) // the pages go back to the collector
+		sc.batch = nil
+		if cap(batch) <= maxScratch {
+			sc.batch = batch[:0]
+		}
 	}
 }
 
 // push stores, confirms and settles one batch of answers: the decode
 // hints' first (a decode step's barrier waits on them, and the batch may
 // hold thousands of prefill pages), then the rest.
-func (p *Prefetcher) push(batch []outcome, buf []byte) []byte {
+func (p *Prefetcher) push(batch []outcome, sc *pushScratch) {
 	n := 0
 	for i := range batch {
 		if batch[i].decode {
@@ -85,14 +105,14 @@ func (p *Prefetcher) push(batch []outcome, buf []byte) []byte {
 			n++
 		}
 	}
-	buf = p.pushPart(batch[:n], buf)
-	return p.pushPart(batch[n:], buf)
+	p.pushPart(batch[:n], sc)
+	p.pushPart(batch[n:], sc)
 }
 
 // pushPart stores, confirms and settles answers, adjacent pages in one store.
-func (p *Prefetcher) pushPart(batch []outcome, buf []byte) []byte {
+func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 	if len(batch) == 0 {
-		return buf
+		return
 	}
 	slices.SortFunc(batch, func(a, b outcome) int {
 		if a.run.Table != b.run.Table {
@@ -100,7 +120,7 @@ func (p *Prefetcher) pushPart(batch []outcome, buf []byte) []byte {
 		}
 		return compareU64(a.run.First, b.run.First)
 	})
-	var done []settled
+	done, buf := sc.done[:0], sc.buf
 	for i := 0; i < len(batch); {
 		o := batch[i]
 		switch {
@@ -135,11 +155,15 @@ func (p *Prefetcher) pushPart(batch []outcome, buf []byte) []byte {
 		done = append(done, settled{r, p.store(r, data)})
 		i = j
 	}
-	p.settle(done)
+	p.settle(done, sc)
+	sc.done = nil
+	if cap(done) <= maxScratch {
+		sc.done = done[:0]
+	}
 	if cap(buf) > 4*maxStorePages*cache.PageSize {
 		buf = nil
 	}
-	return buf
+	sc.buf = buf
 }
 
 // store pushes run r's data into the page cache.
@@ -175,8 +199,8 @@ func (p *Prefetcher) confirm(r cache.Run) Outcome {
 // flushes the tier's pin queue right after its barrier and counts what is
 // pinned). Admit runs without p.mu: pinning faults through our own Read
 // handler, which takes p.mu (Faulted).
-func (p *Prefetcher) settle(done []settled) {
-	var decodeKeys, prefillKeys []cache.PageKey
+func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
+	decodeKeys, prefillKeys := sc.decode[:0], sc.prefill[:0]
 	if p.hot != nil {
 		p.mu.Lock()
 		for _, d := range done {
@@ -204,4 +228,11 @@ func (p *Prefetcher) settle(done []settled) {
 		p.c.settle(d.run.Table, d.run.First, d.run.N, d.o)
 	}
 	p.mu.Unlock()
+	sc.decode, sc.prefill = nil, nil
+	if cap(decodeKeys) <= maxScratch {
+		sc.decode = decodeKeys[:0]
+	}
+	if cap(prefillKeys) <= maxScratch {
+		sc.prefill = prefillKeys[:0]
+	}
 }
