@@ -26,25 +26,35 @@ func (p *Prefetcher) fetchLoop() {
 		case <-p.quit:
 			return
 		}
-		for {
-			p.mu.Lock()
-			var decode, prefill []cache.Run
-			if !p.closed {
-				decode, prefill = p.c.next(p.cfg.InflightPages - p.c.inflight)
-			}
-			p.mu.Unlock()
-			if len(decode)+len(prefill) == 0 {
-				break
-			}
-			// A decode hint's reads are demand reads (an object store
-			// serves and hedges them as it does a fault's); prefill's
-			// wait their turn.
-			if len(decode) > 0 {
-				p.loader.Fetch(decode, cache.OriginDecode, p.fetchedDecode)
-			}
-			if len(prefill) > 0 {
-				p.loader.Fetch(prefill, cache.OriginPrefetch, p.fetchedPrefill)
-			}
+		p.claimAndFetch()
+	}
+}
+
+// claimAndFetch claims work while the in-flight budget allows and hands it
+// to the loader. The fetch loop runs it when woken; a decode hint's writer
+// runs it too, right after admitting the step, so the step's reads start
+// without waiting for the fetch loop's goroutine to be scheduled (on these
+// VMs a wake-up of an idle CPU costs tens of µs). Both may run it at once:
+// each claim is made under p.mu.
+func (p *Prefetcher) claimAndFetch() {
+	for {
+		p.mu.Lock()
+		var decode, prefill []cache.Run
+		if !p.closed {
+			decode, prefill = p.c.next(p.cfg.InflightPages - p.c.inflight)
+		}
+		p.mu.Unlock()
+		if len(decode)+len(prefill) == 0 {
+			return
+		}
+		// A decode hint's reads are demand reads (an object store
+		// serves and hedges them as it does a fault's); prefill's
+		// wait their turn.
+		if len(decode) > 0 {
+			p.loader.Fetch(decode, cache.OriginDecode, p.fetchedDecode)
+		}
+		if len(prefill) > 0 {
+			p.loader.Fetch(prefill, cache.OriginPrefetch, p.fetchedPrefill)
 		}
 	}
 }

@@ -383,6 +383,10 @@ func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode 
 	p.c.endSubmission(b, seq, frameEnd)
 	p.publishLocked()
 	p.mu.Unlock()
+	if decode {
+		p.claimAndFetch()
+		return
+	}
 	p.wakeFetch()
 }
 
