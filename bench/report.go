@@ -432,7 +432,11 @@ func (r *Report) WriteTable(w io.Writer) {
 			for _, ph := range []*Phase{p.Decode, p.Prefill} {
 				if ph != nil && ph.Barrier != "" && !seen[ph.BarrierHow] {
 					seen[ph.BarrierHow] = true
-					fmt.Fprintf(w, "%s barrier: %s\n", p.Label, ph.BarrierHow)
+					fmt.Fprintf(w, "%s barrier: %s", p.Label, ph.BarrierHow)
+					if h := p.Decode; h != nil && h.Hint != nil {
+						fmt.Fprintf(w, "; decode hints + barrier p50 %s of the step's %s", fmtDur(h.Hint.P50), fmtDur(h.Times.P50))
+					}
+					fmt.Fprintln(w)
 				}
 			}
 		}
