@@ -160,11 +160,15 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *daemonpro
 	}
 	var stBefore stats.Snapshot
 	var cpuBefore time.Duration
+	var swBefore uint64
 	if d != nil {
 		if stBefore, err = d.Stats(); err != nil {
 			return nil, err
 		}
 		if cpuBefore, err = d.CPU(); err != nil {
+			return nil, err
+		}
+		if swBefore, err = d.Switches(); err != nil {
 			return nil, err
 		}
 	}
@@ -181,6 +185,11 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *daemonpro
 			return nil, err
 		}
 		ph.DaemonCPU = cpu - cpuBefore
+		sw, err := d.Switches()
+		if err != nil {
+			return nil, err
+		}
+		ph.DaemonSwitches = sw - min(sw, swBefore)
 		after, err := d.Stats()
 		if err != nil {
 			return nil, err
@@ -189,6 +198,9 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *daemonpro
 		ph.Stats = &delta
 		ph.BackingBytes, ph.BackingFrom = delta.BackingBytes, ".engramfs/stats backing_bytes"
 		ph.DaemonCPUPerPage = cpuPerPage(ph.DaemonCPU, ph.BackingBytes)
+		if ph.BackingBytes > 0 {
+			ph.DaemonSwitchesPerPage = float64(ph.DaemonSwitches) / (float64(ph.BackingBytes) / 4096)
+		}
 	} else {
 		readAfter, err := procfs.SelfReadBytes()
 		if err != nil {

@@ -110,6 +110,12 @@ type Phase struct {
 	// DaemonCPUPerPage is DaemonCPU in µs over BackingBytes/4096: the
 	// daemon's CPU per 4 KiB page of backing reads.
 	DaemonCPUPerPage float64 `json:"daemon_cpu_us_per_backing_page,omitempty"`
+	// DaemonSwitches counts the context switches of the daemon's threads
+	// over the phase; DaemonSwitchesPerPage is it over BackingBytes/4096.
+	// These VMs make every switch (and the wake-up of an idle CPU it often
+	// means) expensive.
+	DaemonSwitches        uint64  `json:"daemon_switches,omitempty"`
+	DaemonSwitchesPerPage float64 `json:"daemon_switches_per_backing_page,omitempty"`
 
 	// Barrier is how path 5 waited for its hints (BarrierRead or
 	// BarrierFsync); BarrierHow says how that was decided.
@@ -439,6 +445,13 @@ func (r *Report) WriteTable(w io.Writer) {
 					fmt.Fprintln(w)
 				}
 			}
+		}
+		for _, p := range g.Paths {
+			if p.Decode == nil || p.Prefill == nil || p.Decode.DaemonSwitchesPerPage+p.Prefill.DaemonSwitchesPerPage == 0 {
+				continue
+			}
+			fmt.Fprintf(w, "%s daemon context switches a backing page: decode %.2f, prefill %.2f\n",
+				p.Label, p.Decode.DaemonSwitchesPerPage, p.Prefill.DaemonSwitchesPerPage)
 		}
 		colds := map[string]bool{}
 		for _, p := range g.Paths {

@@ -211,6 +211,9 @@ func (d *Daemon) Stats() (stats.Snapshot, error) { return stats.ReadFile(d.Mount
 // CPU is the CPU time the daemon has used so far (10 ms ticks).
 func (d *Daemon) CPU() (time.Duration, error) { return procfs.CPU(d.Pid()) }
 
+// Switches is the daemon's context switches so far, every thread's.
+func (d *Daemon) Switches() (uint64, error) { return procfs.Switches(d.Pid()) }
+
 // Mem is the daemon's resident memory now and at its peak.
 func (d *Daemon) Mem() (procfs.Mem, error) { return procfs.ReadMem(d.Pid()) }
 

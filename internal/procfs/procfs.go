@@ -9,6 +9,7 @@ import (
 	"bytes"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -145,6 +146,41 @@ func CPU(pid int) (time.Duration, error) {
 		return 0, err
 	}
 	return ParseStatCPU(b)
+}
+
+// Switches is the context switches of every thread of process pid so far,
+// voluntary and not: the sum over /proc/PID/task/*/status. A thread that
+// has exited is no longer counted.
+func Switches(pid int) (uint64, error) {
+	tasks, err := os.ReadDir(PidPath(pid, "task"))
+	if err != nil {
+		return 0, err
+	}
+	var n uint64
+	for _, t := range tasks {
+		b, err := os.ReadFile(filepath.Join(PidPath(pid, "task"), t.Name(), "status"))
+		if err != nil {
+			continue // the thread exited meanwhile
+		}
+		n += ParseSwitches(b)
+	}
+	return n, nil
+}
+
+// ParseSwitches adds voluntary_ctxt_switches and nonvoluntary_ctxt_switches
+// of a /proc status file.
+func ParseSwitches(b []byte) uint64 {
+	var n uint64
+	for _, line := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok || (k != "voluntary_ctxt_switches" && k != "nonvoluntary_ctxt_switches") {
+			continue
+		}
+		if x, err := strconv.ParseUint(strings.TrimSpace(v), 10, 64); err == nil {
+			n += x
+		}
+	}
+	return n
 }
 
 // statFields returns the fields of a /proc/PID/stat line after the command

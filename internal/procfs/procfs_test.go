@@ -3,6 +3,7 @@ package procfs
 import (
 	"os"
 	"path/filepath"
+	"runtime"
 	"testing"
 	"time"
 
@@ -169,5 +170,42 @@ func TestMountinfo(t *testing.T) {
 	}
 	if m, _ := MountsUnder(dir + "x"); len(m) != 0 {
 		t.Errorf("a sibling's mounts count: %v", m)
+	}
+}
+
+func TestParseSwitches(t *testing.T) {
+	b := []byte("Name:\tx\nvoluntary_ctxt_switches:\t120\nnonvoluntary_ctxt_switches:\t7\nVmRSS:\t 10 kB\n")
+	if got := ParseSwitches(b); got != 127 {
+		t.Errorf("ParseSwitches = %d, want 127", got)
+	}
+}
+
+// TestSwitchesCountsEveryThread: a thread of ours that sleeps and wakes
+// shows in the process's count, not only the main thread's.
+func TestSwitchesCountsEveryThread(t *testing.T) {
+	before, err := Switches(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	done, exit := make(chan struct{}), make(chan struct{})
+	go func() {
+		// A thread of its own, that the main thread is not; it lives
+		// until the count is read (a thread that exited is not counted).
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		for range 50 {
+			time.Sleep(100 * time.Microsecond)
+		}
+		close(done)
+		<-exit
+	}()
+	<-done
+	after, err := Switches(os.Getpid())
+	close(exit)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after < before+50 {
+		t.Errorf("switches %d -> %d, want at least 50 more (a thread slept 50 times)", before, after)
 	}
 }
