@@ -34,14 +34,16 @@ type HotCache struct {
 	maxQueued int // queued pages beyond which Admit drops new pins (counted)
 
 	mu       sync.Mutex
-	cond     *sync.Cond // on mu: a batch was applied, or Close
-	changes  Changes    // GUARDED_BY(mu); scratch for Tier.Access
-	own      []PageKey  // GUARDED_BY(mu); scratch: faulted keys minus the pinner's own faults
-	queue    []PageKey  // GUARDED_BY(mu); pages whose tier membership changed
-	spare    []PageKey  // GUARDED_BY(mu); the other buffer of queue
-	enqueued uint64     // GUARDED_BY(mu); batches handed to the worker, for Flush
-	applied  uint64     // GUARDED_BY(mu); of which applied
-	closed   bool       // GUARDED_BY(mu)
+	cond     *sync.Cond    // on mu: a batch was applied, or Close
+	changes  Changes       // GUARDED_BY(mu); scratch for Tier.Access
+	own      []PageKey     // GUARDED_BY(mu); scratch: faulted keys minus the pinner's own faults
+	queue    []PageKey     // GUARDED_BY(mu); pages whose tier membership changed
+	spare    []PageKey     // GUARDED_BY(mu); the other buffer of queue
+	enqueued uint64        // GUARDED_BY(mu); batches handed to the worker, for Flush
+	applied  uint64        // GUARDED_BY(mu); of which applied
+	closed   bool          // GUARDED_BY(mu)
+	flushing int           // GUARDED_BY(mu); Flush calls waiting: the worker does not gather
+	pinDelay time.Duration // how long the worker gathers a batch (pinDelay; tests change it)
 
 	kick chan struct{} // capacity 1: there is work
 	stop chan struct{}
@@ -79,15 +81,16 @@ func NewHotCache(capacityBytes int64, p *Pinner, st *stats.Counters, log *zap.Lo
 		log = zap.NewNop()
 	}
 	h := &HotCache{
-		tier:    NewTier(capacityBytes),
-		pinner:  p,
-		st:      st,
-		log:     log,
-		kick:    make(chan struct{}, 1),
-		stop:    make(chan struct{}),
-		done:    make(chan struct{}),
-		failLog: rateLimit{every: time.Second},
-		dropLog: rateLimit{every: time.Second},
+		tier:     NewTier(capacityBytes),
+		pinner:   p,
+		st:       st,
+		log:      log,
+		kick:     make(chan struct{}, 1),
+		stop:     make(chan struct{}),
+		done:     make(chan struct{}),
+		failLog:  rateLimit{every: time.Second},
+		dropLog:  rateLimit{every: time.Second},
+		pinDelay: pinDelay,
 	}
 	h.maxQueued = max(minMaxQueued, 2*h.tier.Capacity())
 	h.cond = sync.NewCond(&h.mu)
@@ -148,13 +151,15 @@ func (h *HotCache) admit(keys []PageKey, sig Signal) {
 			dropped = len(pins) - room
 			pins = pins[:room]
 		}
+		wasEmpty := len(h.queue) == 0
 		h.queue = append(h.queue, c.Unpin...)
 		h.queue = append(h.queue, pins...)
 		if len(c.Unpin)+len(pins) > 0 {
 			h.enqueued++
-			select {
-			case h.kick <- struct{}{}:
-			default:
+			// The worker gathers a batch (see work): it hears of the
+			// first page of one, and of a full one.
+			if wasEmpty || len(h.queue) >= pinBatch {
+				h.wake()
 			}
 		}
 	} else {
@@ -195,8 +200,21 @@ func (h *HotCache) Flush() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	target := h.enqueued
+	if h.applied < target {
+		h.flushing++
+		defer func() { h.flushing-- }()
+		h.wake() // no gathering: someone waits
+	}
 	for h.applied < target && !h.closed {
 		h.cond.Wait()
+	}
+}
+
+// wake tells the worker there is work (or a waiter).
+func (h *HotCache) wake() {
+	select {
+	case h.kick <- struct{}{}:
+	default:
 	}
 }
 
@@ -236,8 +254,39 @@ func (h *HotCache) work() {
 			return
 		case <-h.kick:
 		}
+		h.gather()
 		for h.applyQueued() {
 		}
+	}
+}
+
+// Pinning a page costs the worker a wake-up and a few system calls; a
+// fault that admits its page, one at a time, paid that per page, doubling
+// its context switches (measured: 4.96 a fault with the tier against 2.12
+// without, and 36% fewer faults a second). So the worker gathers: after the
+// first page of a batch it waits up to pinDelay for pinBatch pages, unless
+// Flush waits. The pages are in the page cache meanwhile (they were just
+// faulted or stored); only their locking waits.
+const (
+	pinBatch = 64
+	pinDelay = 2 * time.Millisecond
+)
+
+// gather waits until the queue holds pinBatch pages, Flush waits, pinDelay
+// passed, or the cache stops.
+func (h *HotCache) gather() {
+	h.mu.Lock()
+	ready := len(h.queue) >= pinBatch || h.flushing > 0 || len(h.queue) == 0
+	h.mu.Unlock()
+	if ready {
+		return
+	}
+	t := time.NewTimer(h.pinDelay)
+	defer t.Stop()
+	select {
+	case <-h.kick: // a full batch, or a Flush
+	case <-t.C:
+	case <-h.stop:
 	}
 }
 

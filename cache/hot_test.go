@@ -605,3 +605,45 @@ func TestHotCacheChurnStaysConsistent(t *testing.T) {
 		}
 	}
 }
+
+// TestHotCacheGathersPins: the worker pins in batches. Each fault admits
+// its own page, and a worker that woke for each paid a wake-up and its own
+// system calls per page, doubling a fault's context switches. A lone page
+// waits (here: for as long as the test runs), a Flush does not wait for the
+// batch, and a full batch is pinned at once.
+func TestHotCacheGathersPins(t *testing.T) {
+	f := sparseFile(t, 256)
+	h, _, _ := newHot(t, 200, zap.NewNop(), f)
+	h.pinDelay = time.Hour // set before the first Admit's kick: no race
+
+	h.Admit([]PageKey{pk(0)}, SignalFault)
+	time.Sleep(50 * time.Millisecond) // a worker that did not gather has pinned it by now
+	if h.Pinned(pk(0)) {
+		t.Fatal("a lone faulted page was pinned at once: the worker does not gather")
+	}
+	flushed := make(chan struct{})
+	go func() { h.Flush(); close(flushed) }()
+	select {
+	case <-flushed:
+	case <-time.After(time.Minute):
+		t.Fatal("Flush waited for the batch to fill")
+	}
+	if !h.Pinned(pk(0)) {
+		t.Fatal("page 0 not pinned after Flush")
+	}
+
+	h.Admit([]PageKey{pk(1)}, SignalFault)
+	time.Sleep(50 * time.Millisecond) // the worker gathers now
+	for pg := uint64(2); pg <= pinBatch; pg++ {
+		h.Admit([]PageKey{pk(pg)}, SignalFault)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for pg := uint64(1); pg <= pinBatch; pg++ {
+		for !h.Pinned(pk(pg)) {
+			if time.Now().After(deadline) {
+				t.Fatalf("page %d of a full batch not pinned after a minute (no Flush): a full batch waits", pg)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+}
