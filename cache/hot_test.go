@@ -608,13 +608,15 @@ func TestHotCacheChurnStaysConsistent(t *testing.T) {
 
 // TestHotCacheGathersPins: the worker pins in batches. Each fault admits
 // its own page, and a worker that woke for each paid a wake-up and its own
-// system calls per page, doubling a fault's context switches. A lone page
-// waits (here: for as long as the test runs), a Flush does not wait for the
-// batch, and a full batch is pinned at once.
+// system calls per page, doubling a fault's context switches. A lone
+// faulted page waits (here: for as long as the test runs), a Flush does not
+// wait for the batch, a full batch is pinned at once, and so are a hint's
+// pages after the short delay (the next hint skips a page only once pinned).
 func TestHotCacheGathersPins(t *testing.T) {
-	f := sparseFile(t, 256)
-	h, _, _ := newHot(t, 200, zap.NewNop(), f)
-	h.pinDelay = time.Hour // set before the first Admit's kick: no race
+	f := sparseFile(t, 512)
+	h, _, _ := newHot(t, 400, zap.NewNop(), f)
+	// Set before the first Admit's kick: no race.
+	h.faultPinDelay, h.pinDelay = time.Hour, 10*time.Millisecond
 
 	h.Admit([]PageKey{pk(0)}, SignalFault)
 	time.Sleep(50 * time.Millisecond) // a worker that did not gather has pinned it by now
@@ -632,18 +634,39 @@ func TestHotCacheGathersPins(t *testing.T) {
 		t.Fatal("page 0 not pinned after Flush")
 	}
 
-	h.Admit([]PageKey{pk(1)}, SignalFault)
-	time.Sleep(50 * time.Millisecond) // the worker gathers now
-	for pg := uint64(2); pg <= pinBatch; pg++ {
-		h.Admit([]PageKey{pk(pg)}, SignalFault)
-	}
-	deadline := time.Now().Add(time.Minute)
-	for pg := uint64(1); pg <= pinBatch; pg++ {
-		for !h.Pinned(pk(pg)) {
-			if time.Now().After(deadline) {
-				t.Fatalf("page %d of a full batch not pinned after a minute (no Flush): a full batch waits", pg)
+	waitPinned := func(what string, pages ...uint64) {
+		t.Helper()
+		deadline := time.Now().Add(time.Minute)
+		for _, pg := range pages {
+			for !h.Pinned(pk(pg)) {
+				if time.Now().After(deadline) {
+					t.Fatalf("page %d not pinned after a minute (no Flush): %s", pg, what)
+				}
+				time.Sleep(time.Millisecond)
 			}
-			time.Sleep(time.Millisecond)
 		}
 	}
+	h.Admit([]PageKey{pk(1)}, SignalFault)
+	time.Sleep(50 * time.Millisecond) // the worker gathers now
+	var batch []uint64
+	for pg := uint64(1); pg <= pinBatch; pg++ {
+		batch = append(batch, pg)
+		if pg > 1 {
+			h.Admit([]PageKey{pk(pg)}, SignalFault)
+		}
+	}
+	waitPinned("a full batch waits", batch...)
+
+	const lone, hinted = pinBatch + 10, pinBatch + 11
+	h.Admit([]PageKey{pk(lone)}, SignalFault)
+	time.Sleep(50 * time.Millisecond) // the worker gathers faults' pages, for an hour
+	if h.Pinned(pk(lone)) {
+		t.Fatal("a lone faulted page was pinned without a batch")
+	}
+	h.Admit([]PageKey{pk(hinted)}, SignalDecode)
+	waitPinned("a hint's page waits as long as a fault's", lone, hinted)
+
+	// A hint's page on an empty queue: the worker gathers briefly.
+	h.Admit([]PageKey{pk(hinted + 1)}, SignalDecode)
+	waitPinned("a hint's page gathers as long as a fault's", hinted+1)
 }
