@@ -129,34 +129,51 @@ func (s *LocalSource) Open(name string) (ShardFile, error) {
 }
 
 func (s *LocalSource) openDirect(path string) (*localShard, error) {
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	f, align, memAl, err := OpenDirect(path, s.forceAlign)
 	if err != nil {
 		return nil, err
 	}
-	f := os.NewFile(uintptr(fd), path)
-	align, memAl := int64(4096), int64(4096)
-	var sx unix.Statx_t
-	if unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
-		if sx.Dio_offset_align == 0 {
-			f.Close()
-			return nil, errors.New("the filesystem does not support O_DIRECT on this file")
-		}
-		align, memAl = int64(sx.Dio_offset_align), int64(sx.Dio_mem_align)
-	}
-	align, memAl = max(align, s.forceAlign), max(memAl, s.forceAlign)
 	sf, err := s.newShard(path, f, true, align, memAl)
 	if err != nil {
 		return nil, err
 	}
-	// Some filesystems accept O_DIRECT at open and refuse it at read: probe.
 	if sf.id.Size > 0 {
-		buf := AlignedBuf(int(align), memAl)
-		if _, err := unix.Pread(fd, buf, 0); err != nil {
+		if err := ProbeDirect(f, align, memAl); err != nil {
 			f.Close()
 			return nil, err
 		}
 	}
 	return sf, nil
+}
+
+// OpenDirect opens path read-only with O_DIRECT and returns the offset and
+// memory alignments its reads need: STATX_DIOALIGN where the kernel reports
+// it, else 4096 for both; at least minAlign either way. It refuses a file
+// whose filesystem reports no O_DIRECT support. Some filesystems take
+// O_DIRECT at open and refuse it at read: ProbeDirect tells.
+func OpenDirect(path string, minAlign int64) (f *os.File, align, memAl int64, err error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	f = os.NewFile(uintptr(fd), path)
+	align, memAl = 4096, 4096
+	var sx unix.Statx_t
+	if unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
+		if sx.Dio_offset_align == 0 {
+			f.Close()
+			return nil, 0, 0, errors.New("the filesystem does not support O_DIRECT on this file")
+		}
+		align, memAl = int64(sx.Dio_offset_align), max(int64(sx.Dio_mem_align), 1)
+	}
+	return f, max(align, minAlign), max(memAl, minAlign), nil
+}
+
+// ProbeDirect reads the first align bytes of f, opened by OpenDirect, with
+// O_DIRECT (a file shorter than that reads short, without an error).
+func ProbeDirect(f *os.File, align, memAl int64) error {
+	_, err := unix.Pread(int(f.Fd()), AlignedBuf(int(align), memAl), 0)
+	return err
 }
 
 func (s *LocalSource) newShard(path string, f *os.File, direct bool, align, memAl int64) (*localShard, error) {

@@ -490,28 +490,21 @@ func (f *mirrorFile) extentGens(off int64, n int) uint64 {
 
 // openDirect opens path for reads with O_DIRECT, if its filesystem takes
 // them at mirror page offsets, and returns the offset and memory
-// alignments they need (a mirror page where statx does not say).
+// alignments they need (backing.OpenDirect).
 func (m *mirror) openDirect(path string) (*os.File, int64, int64, error) {
 	if m.noDirect {
 		return nil, 0, 0, errors.New("O_DIRECT off (test)")
 	}
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	f, align, memAl, err := backing.OpenDirect(path, 0)
 	if err != nil {
 		return nil, 0, 0, fmt.Errorf("open %s with O_DIRECT: %w", path, err)
 	}
-	f := os.NewFile(uintptr(fd), path)
-	align, memAl := int64(mirrorPage), int64(mirrorPage)
-	var sx unix.Statx_t
-	if unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
-		if sx.Dio_offset_align == 0 || mirrorPage%sx.Dio_offset_align != 0 {
-			f.Close()
-			return nil, 0, 0, fmt.Errorf("%s: O_DIRECT needs offsets aligned to %d bytes", path, sx.Dio_offset_align)
-		}
-		align, memAl = int64(sx.Dio_offset_align), max(int64(sx.Dio_mem_align), 1)
+	if mirrorPage%align != 0 {
+		f.Close()
+		return nil, 0, 0, fmt.Errorf("%s: O_DIRECT needs offsets aligned to %d bytes", path, align)
 	}
-	// Some filesystems take O_DIRECT at open and refuse it at read: probe
-	// (the file has its size already: a hole reads as zeros).
-	if _, err := unix.Pread(fd, backing.AlignedBuf(int(align), memAl), 0); err != nil {
+	// The file has its size already: a hole reads as zeros.
+	if err := backing.ProbeDirect(f, align, memAl); err != nil {
 		f.Close()
 		return nil, 0, 0, fmt.Errorf("read %s with O_DIRECT: %w", path, err)
 	}
