@@ -55,6 +55,14 @@ type pushScratch struct {
 // batch may be huge once; it is not kept).
 const maxScratch = 4096
 
+// reuse is s emptied, to be filled again, or nil past maxScratch.
+func reuse[T any](s []T) []T {
+	if cap(s) > maxScratch {
+		return nil
+	}
+	return s[:0]
+}
+
 func (p *Prefetcher) pushLoop() {
 	defer p.pushers.Done()
 	var sc pushScratch
@@ -87,10 +95,7 @@ func (p *Prefetcher) pushLoop() {
 		p.idle.Broadcast()
 		p.mu.Unlock()
 		clear(batch) // the pages go back to the collector
-		sc.batch = nil
-		if cap(batch) <= maxScratch {
-			sc.batch = batch[:0]
-		}
+		sc.batch = reuse(batch)
 	}
 }
 
@@ -156,10 +161,7 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 		i = j
 	}
 	p.settle(done, sc)
-	sc.done = nil
-	if cap(done) <= maxScratch {
-		sc.done = done[:0]
-	}
+	sc.done = reuse(done)
 	if cap(buf) > 4*maxStorePages*cache.PageSize {
 		buf = nil
 	}
@@ -228,11 +230,5 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 		p.c.settle(d.run.Table, d.run.First, d.run.N, d.o)
 	}
 	p.mu.Unlock()
-	sc.decode, sc.prefill = nil, nil
-	if cap(decodeKeys) <= maxScratch {
-		sc.decode = decodeKeys[:0]
-	}
-	if cap(prefillKeys) <= maxScratch {
-		sc.prefill = prefillKeys[:0]
-	}
+	sc.decode, sc.prefill = reuse(decodeKeys), reuse(prefillKeys)
 }
