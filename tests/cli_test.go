@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // runMount runs `engramfs mount` and expects it to refuse: non-zero exit,
@@ -160,7 +161,7 @@ func TestSignalWithAMappedReaderDetaches(t *testing.T) {
 			spec := backing.DefaultSynth()
 			spec.Rows = 256
 			d := Mount(t, Synth(t, spec))
-			m := mapFile(t, filepath.Join(d.Mountpoint, "layers", "0", "weight.safetensors"))
+			m := testenv.MapFile(t, filepath.Join(d.Mountpoint, "layers", "0", "weight.safetensors"))
 			Touch(m, 4096)
 			start := time.Now()
 			if err := d.Signal(sig); err != nil {

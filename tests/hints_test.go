@@ -16,6 +16,7 @@ import (
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/hints"
 	"github.com/engramfs/engramfs/internal/pagecache"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // openControl opens the control file for writing.
@@ -35,7 +36,7 @@ func layerMaps(t testing.TB, d *Daemon, m *backing.Model, layer int) map[*backin
 	t.Helper()
 	out := map[*backing.Table][]byte{}
 	for _, tb := range m.LayerTables(layer) {
-		b := mapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
+		b := testenv.MapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
 		if err := unix.Madvise(b, unix.MADV_RANDOM); err != nil {
 			t.Fatal(err)
 		}

@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // BenchmarkHotGatherAfterDropCaches: a decode workload makes rows hot through
@@ -36,7 +37,7 @@ func BenchmarkHotGatherAfterDropCaches(b *testing.B) {
 			}
 			maps := map[*backing.Table][]byte{}
 			for _, tb := range m.LayerTables(0) {
-				mm := mapFile(b, filepath.Join(d.Mountpoint, tb.Path()))
+				mm := testenv.MapFile(b, filepath.Join(d.Mountpoint, tb.Path()))
 				if err := unix.Madvise(mm, unix.MADV_RANDOM); err != nil {
 					b.Fatal(err)
 				}

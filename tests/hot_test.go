@@ -17,6 +17,7 @@ import (
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/hints"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // dropCaches empties the page cache: only pinned pages survive.
@@ -344,7 +345,7 @@ func TestConcurrentReadersHintsAndEvictions(t *testing.T) {
 			layer := i % 2
 			maps := map[*backing.Table][]byte{}
 			for _, tb := range m.LayerTables(layer) {
-				maps[tb] = mapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
+				maps[tb] = testenv.MapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
 			}
 			for time.Now().Before(stop) {
 				r := rng.Uint64N(spec.Rows)

@@ -31,25 +31,6 @@ func geometries() map[string]backing.SynthSpec {
 	return map[string]backing.SynthSpec{"4096B": big, "flash": small}
 }
 
-func mapFile(t testing.TB, path string) []byte {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := unix.Mmap(int(f.Fd()), 0, int(fi.Size()), unix.PROT_READ, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = unix.Munmap(b) })
-	return b
-}
-
 func TestEveryByteMatchesTheShards(t *testing.T) {
 	for name, spec := range geometries() {
 		t.Run(name, func(t *testing.T) {
@@ -69,7 +50,7 @@ func TestEveryByteMatchesTheShards(t *testing.T) {
 				}
 				// A fresh mapping: pages already read above come from the page
 				// cache, the rest fault through FUSE; both must be right.
-				m := mapFile(t, path)
+				m := testenv.MapFile(t, path)
 				if !bytes.Equal(m[len(tb.FileHeader):], want) {
 					t.Fatalf("%s: data read through mmap differs from the shard", tb.Path())
 				}
@@ -87,7 +68,7 @@ func TestMmapOnColdMountMatches(t *testing.T) {
 			rng := rand.New(rand.NewPCG(1, 2))
 			for _, tb := range Model(t, d.ModelDir).Tables {
 				want := ShardTable(t, d.ModelDir, tb.Name)
-				m := mapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
+				m := testenv.MapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
 				if err := unix.Madvise(m, unix.MADV_RANDOM); err != nil {
 					t.Fatal(err)
 				}
@@ -111,7 +92,7 @@ func TestColdFaultCostsOnePage(t *testing.T) {
 				d := Mount(t, Synth(t, spec))
 				rng := rand.New(rand.NewPCG(3, 4))
 				for _, tb := range Model(t, d.ModelDir).Tables {
-					m := mapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
+					m := testenv.MapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
 					if advice == "MADV_RANDOM" {
 						if err := unix.Madvise(m, unix.MADV_RANDOM); err != nil {
 							t.Fatal(err)

@@ -14,6 +14,7 @@ import (
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/s3source/s3test"
 	"github.com/engramfs/engramfs/internal/stats"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // s3Model uploads a synthetic model to a fresh versitygw and mounts
@@ -40,7 +41,7 @@ func TestS3MountReadsTheShards(t *testing.T) {
 	m := Model(t, dir)
 	tb := m.LayerTables(1)[1] // layer 1's weight table: a page a row
 	want := ShardTable(t, dir, tb.Name)
-	mp := mapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
+	mp := testenv.MapFile(t, filepath.Join(d.Mountpoint, tb.Path()))
 	if err := unix.Madvise(mp, unix.MADV_RANDOM); err != nil {
 		t.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/engramfs/engramfs/backing/sourcetest"
 	"github.com/engramfs/engramfs/internal/pagecache"
 	"github.com/engramfs/engramfs/internal/stats"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // mirrorObject is a 16 MiB object of random bytes (8 extents), plus a
@@ -365,21 +366,7 @@ func (e *countingEngine) Submit(reqs ...*ioengine.Req) {
 // residentPages counts the pages of path in the page cache.
 func residentPages(t *testing.T, path string) int {
 	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := unix.Mmap(int(f.Fd()), 0, int(fi.Size()), unix.PROT_READ, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(m)
-	n, err := pagecache.Count(m)
+	n, err := pagecache.Count(testenv.MapFile(t, path))
 	if err != nil {
 		t.Fatal(err)
 	}

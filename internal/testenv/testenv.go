@@ -110,3 +110,24 @@ func PrivateTempDir(t testing.TB) string {
 	})
 	return dir
 }
+
+// MapFile maps the whole file at path read-only and shared, unmapped when t
+// ends.
+func MapFile(t testing.TB, path string) []byte {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := unix.Mmap(int(f.Fd()), 0, int(fi.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Munmap(b) })
+	return b
+}
