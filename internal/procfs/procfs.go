@@ -9,7 +9,6 @@ import (
 	"bytes"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -152,19 +151,31 @@ func CPU(pid int) (time.Duration, error) {
 // voluntary and not: the sum over /proc/PID/task/*/status. A thread that
 // has exited is no longer counted.
 func Switches(pid int) (uint64, error) {
+	var n uint64
+	err := eachTask(pid, "status", func(b []byte) error {
+		n += ParseSwitches(b)
+		return nil
+	})
+	return n, err
+}
+
+// eachTask calls fn with /proc/PID/task/TID/file of every thread of pid,
+// skipping a thread that exits meanwhile, and stops at fn's first error.
+func eachTask(pid int, file string, fn func([]byte) error) error {
 	tasks, err := os.ReadDir(PidPath(pid, "task"))
 	if err != nil {
-		return 0, err
+		return err
 	}
-	var n uint64
 	for _, t := range tasks {
-		b, err := os.ReadFile(filepath.Join(PidPath(pid, "task"), t.Name(), "status"))
+		b, err := os.ReadFile(PidPath(pid, "task/"+t.Name()+"/"+file))
 		if err != nil {
 			continue // the thread exited meanwhile
 		}
-		n += ParseSwitches(b)
+		if err := fn(b); err != nil {
+			return err
+		}
 	}
-	return n, nil
+	return nil
 }
 
 // ParseSwitches adds voluntary_ctxt_switches and nonvoluntary_ctxt_switches
@@ -230,25 +241,21 @@ func Alive(pid int) bool {
 // thread's schedstat: nanoseconds, where /proc/PID/stat counts 10 ms ticks.
 // Threads that have exited are not counted.
 func SchedCPU(pid int) (time.Duration, error) {
-	tasks, err := os.ReadDir(PidPath(pid, "task"))
-	if err != nil {
-		return 0, err
-	}
 	var ns int64
-	for _, task := range tasks {
-		b, err := os.ReadFile(PidPath(pid, "task/"+task.Name()+"/schedstat"))
-		if err != nil {
-			continue // the thread exited meanwhile
-		}
+	err := eachTask(pid, "schedstat", func(b []byte) error {
 		f := strings.Fields(string(b))
 		if len(f) < 1 {
-			continue
+			return nil
 		}
 		v, err := strconv.ParseInt(f[0], 10, 64)
 		if err != nil {
-			return 0, fmt.Errorf("schedstat %q: %w", b, err)
+			return fmt.Errorf("schedstat %q: %w", b, err)
 		}
 		ns += v
+		return nil
+	})
+	if err != nil {
+		return 0, err
 	}
 	return time.Duration(ns), nil
 }
