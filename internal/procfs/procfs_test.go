@@ -183,29 +183,49 @@ func TestParseSwitches(t *testing.T) {
 // TestSwitchesCountsEveryThread: a thread of ours that sleeps and wakes
 // shows in the process's count, not only the main thread's.
 func TestSwitchesCountsEveryThread(t *testing.T) {
+	// Two goroutines hold a thread each until the count is read (a thread
+	// that exited is not counted); at most one of them is the main thread,
+	// whose switches /proc/PID/status alone would show. The other sleeps.
+	type locked struct {
+		tid   int
+		sleep chan struct{}
+	}
+	ready, slept, exit := make(chan locked), make(chan struct{}), make(chan struct{})
+	defer close(exit)
+	for range 2 {
+		go func() {
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			l := locked{tid: unix.Gettid(), sleep: make(chan struct{})}
+			ready <- l
+			select {
+			case <-l.sleep:
+				for range 50 {
+					time.Sleep(100 * time.Microsecond)
+				}
+				slept <- struct{}{}
+			case <-exit:
+				return
+			}
+			<-exit
+		}()
+	}
+	a, b := <-ready, <-ready
+	sleeper := a
+	if a.tid == os.Getpid() {
+		sleeper = b
+	}
 	before, err := Switches(os.Getpid())
 	if err != nil {
 		t.Fatal(err)
 	}
-	done, exit := make(chan struct{}), make(chan struct{})
-	go func() {
-		// A thread of its own, that the main thread is not; it lives
-		// until the count is read (a thread that exited is not counted).
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		for range 50 {
-			time.Sleep(100 * time.Microsecond)
-		}
-		close(done)
-		<-exit
-	}()
-	<-done
+	close(sleeper.sleep)
+	<-slept
 	after, err := Switches(os.Getpid())
-	close(exit)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if after < before+50 {
-		t.Errorf("switches %d -> %d, want at least 50 more (a thread slept 50 times)", before, after)
+		t.Errorf("switches %d -> %d, want at least 50 more (thread %d, not the main one, slept 50 times)", before, after, sleeper.tid)
 	}
 }
