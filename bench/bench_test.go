@@ -134,6 +134,13 @@ func TestRunTiny(t *testing.T) {
 		if pf == nil || pf.Times.N != cfg.Prefill.Chunks || pf.Pages == 0 || pf.Failed != 0 {
 			t.Errorf("%s engramfs+hints prefill: prefetch %+v, want %d chunks of stored pages, none failed", g.Geometry.Name, pf, cfg.Prefill.Chunks)
 		}
+		// The chunk prefetched alone has rows no other phase read: every
+		// one needs a page read, and each read stores its page.
+		// (CPU time comes in 10 ms ticks: a tiny phase may count none.)
+		if a := hints.PrefetchAlone; a == nil || a.Prefetch == nil || a.Prefetch.Pages == 0 || a.Prefetch.Reads == 0 || a.Prefetch.PagesPerSec <= 0 ||
+			a.Stats == nil || a.Stats.HintFrames == 0 || a.DaemonCPU > 0 && a.DaemonCPUPerPage <= 0 {
+			t.Errorf("%s engramfs+hints: prefetch alone %+v, want stored pages, their reads and the daemon's CPU a page", g.Geometry.Name, a)
+		}
 	}
 	if len(rep.Targets) == 0 {
 		t.Error("no target judged")

@@ -30,6 +30,9 @@ type geomRun struct {
 	prefill    [][][]uint64 // chunk -> layer index -> unique rows
 	chunkRows  []int
 	chunkPages []int // pages each chunk needs that earlier chunks did not
+	// alone is one more prefill chunk (another seed: rows the measured
+	// phases did not read), path 5 prefetches it with nothing else running.
+	alone [][]uint64
 }
 
 func newGeomRun(cfg *Config, g Geometry, dir string, drop *dropper, prog *progress, flags []string) (*geomRun, error) {
@@ -48,6 +51,9 @@ func newGeomRun(cfg *Config, g Geometry, dir string, drop *dropper, prog *progre
 	}
 	r.decode = DecodeWorkload(cfg.Seed, layerRows, cfg.Decode)
 	r.prefill = PrefillWorkload(cfg.Seed, layerRows, cfg.Prefill)
+	one := cfg.Prefill
+	one.Chunks = 1
+	r.alone = PrefillWorkload(cfg.Seed+1, layerRows, one)[0]
 	pc := NewPageCounter(m)
 	for _, ch := range r.prefill {
 		rows, pages := 0, 0
@@ -118,8 +124,19 @@ func (r *geomRun) run(ctx context.Context, p PathID) (res, warm *PathResult, err
 	if err != nil {
 		return nil, nil, err
 	}
+	if p == PathHints {
+		res.PrefetchAlone, err = r.phase(ctx, p, "prefetch alone", d, open, func(_ *gatherSet, ph *Phase) error {
+			return r.prefetchAloneBody(d, ph)
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+	}
 	if d != nil {
 		res.Daemon.CPU = res.Decode.DaemonCPU + res.Prefill.DaemonCPU
+		if res.PrefetchAlone != nil {
+			res.Daemon.CPU += res.PrefetchAlone.DaemonCPU
+		}
 		res.Daemon.ReadEngine = res.Prefill.Stats.ReadEngine
 		if res.Daemon.ReadEngine == "" {
 			res.Daemon.ReadEngine = ReadEngineUnknown
@@ -467,6 +484,46 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *daemonproc.Daemo
 		warm.Times, warm.Rows, warm.Pages = Summarize(warmTimes), rows, pages
 		warm.RowsPerSec = float64(rows) / warm.Times.Sum.Seconds()
 	}
+	return nil
+}
+
+// prefetchAloneBody sends the prefill hints of one chunk (r.alone) into a
+// cold page cache and waits for its barrier, with no gather running: the
+// prefetch's own rate, which the prefill phase cannot show (there the
+// gather's faults compete for the CPUs and jump the queue).
+func (r *geomRun) prefetchAloneBody(d *daemonproc.Daemon, ph *Phase) error {
+	h, err := openHinter(d.Mountpoint)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	ph.Barrier, ph.BarrierHow = h.barrier, h.why
+	before, err := d.Stats()
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	for j, rows := range r.alone {
+		if err := h.Prefill(r.model.Layers[j], rows); err != nil {
+			return err
+		}
+		ph.Rows += int64(len(rows))
+	}
+	if err := h.Wait(); err != nil {
+		return err
+	}
+	dur := time.Since(start)
+	after, err := d.Stats()
+	if err != nil {
+		return err
+	}
+	pf := &Prefetch{
+		Times: Summarize([]time.Duration{dur}),
+		Pages: after.PrefetchPagesStored - before.PrefetchPagesStored,
+		Reads: after.BackingReads - before.BackingReads,
+	}
+	pf.PagesPerSec, pf.ReadsPerSec = float64(pf.Pages)/dur.Seconds(), float64(pf.Reads)/dur.Seconds()
+	ph.Times, ph.Prefetch = pf.Times, pf
 	return nil
 }
 

@@ -69,14 +69,17 @@ type GeometryReport struct {
 
 // PathResult is one path on one geometry.
 type PathResult struct {
-	Path    PathID       `json:"path"`
-	Label   string       `json:"label"`
-	Decode  *Phase       `json:"decode,omitempty"`
-	Prefill *Phase       `json:"prefill,omitempty"`
-	Daemon  *DaemonUsage `json:"daemon,omitempty"`
-	Skipped string       `json:"skipped,omitempty"`
-	Failed  string       `json:"failed,omitempty"` // the error that stopped the path (the run goes on)
-	Ratios  Ratios       `json:"ratios"`
+	Path    PathID `json:"path"`
+	Label   string `json:"label"`
+	Decode  *Phase `json:"decode,omitempty"`
+	Prefill *Phase `json:"prefill,omitempty"`
+	// PrefetchAlone (path 5): one more chunk's prefill hints into a cold
+	// cache, waited for, with nothing else running.
+	PrefetchAlone *Phase       `json:"prefetch_alone,omitempty"`
+	Daemon        *DaemonUsage `json:"daemon,omitempty"`
+	Skipped       string       `json:"skipped,omitempty"`
+	Failed        string       `json:"failed,omitempty"` // the error that stopped the path (the run goes on)
+	Ratios        Ratios       `json:"ratios"`
 }
 
 // DaemonUsage is what the engramfs daemon of a path used.
@@ -236,14 +239,16 @@ func (r *Report) finish(queueDepth int) {
 
 // The targets' IDs.
 const (
-	TargetHintsVsV3        = "decode-hints-vs-v3"        // engramfs+hints decode p50 ≤ 0.6× mmap+willneed
-	TargetV3MountVsShards  = "decode-v3-mount-vs-shards" // engramfs+willneed decode p50 ≤ 1.3× mmap+willneed
-	TargetPrefetchIOPS     = "prefetch-vs-disk-iops"     // prefetch pages/s ≥ 0.9× disk IOPS at the daemon's QD
-	TargetCPUHintsDecode   = "cpu-hints-decode"          // daemon CPU/page, engramfs+hints decode ≤ 1.5× fio's per read
-	TargetCPUHintsPrefill  = "cpu-hints-prefill"         // the same in prefill
-	TargetCPUFaultsDecode  = "cpu-faults-decode"         // daemon CPU/page, engramfs (faults) decode ≤ 3× fio's per read
-	TargetCPUFaultsPrefill = "cpu-faults-prefill"        // the same in prefill
-	TargetNoHintsVsMmap    = "decode-nohints-vs-mmap"    // engramfs decode p50 ≤ 1.5× mmap (MADV_RANDOM)
+	TargetHintsVsV3         = "decode-hints-vs-v3"          // engramfs+hints decode p50 ≤ 0.6× mmap+willneed
+	TargetV3MountVsShards   = "decode-v3-mount-vs-shards"   // engramfs+willneed decode p50 ≤ 1.3× mmap+willneed
+	TargetPrefetchIOPS      = "prefetch-vs-disk-iops"       // prefetch pages/s (prefill, beside the gather) ≥ 0.9× disk IOPS at the daemon's QD
+	TargetPrefetchAloneIOPS = "prefetch-alone-vs-disk-iops" // the same, one chunk's prefetch with nothing else running
+	TargetCPUHintsDecode    = "cpu-hints-decode"            // daemon CPU/page, engramfs+hints decode ≤ 1.5× fio's per read
+	TargetCPUHintsPrefill   = "cpu-hints-prefill"           // the same in prefill
+	TargetCPUPrefetchAlone  = "cpu-prefetch-alone"          // the same, prefetch alone
+	TargetCPUFaultsDecode   = "cpu-faults-decode"           // daemon CPU/page, engramfs (faults) decode ≤ 3× fio's per read
+	TargetCPUFaultsPrefill  = "cpu-faults-prefill"          // the same in prefill
+	TargetNoHintsVsMmap     = "decode-nohints-vs-mmap"      // engramfs decode p50 ≤ 1.5× mmap (MADV_RANDOM)
 )
 
 // judge checks the targets on one geometry, those whose paths ran. A target
@@ -272,14 +277,17 @@ func judge(g *GeometryReport, disk *DiskLimit, fio *FioFloor, queueDepth int) []
 	decode(TargetHintsVsV3, "engramfs+hints", hints, willneed, "mmap+willneed (v3 on the shards)", 0.6)
 	decode(TargetV3MountVsShards, "engramfs+willneed (v3 on the mount)", engWill, willneed, "mmap+willneed", 1.3)
 
-	if hints != nil && hints.Prefill != nil && hints.Prefill.Prefetch != nil && disk != nil {
+	prefetch := func(id, what string, ph *Phase) {
+		if ph == nil || ph.Prefetch == nil || disk == nil {
+			return
+		}
 		qd := queueDepth
 		iops, ok := disk.IOPS[qd]
 		if !ok {
 			iops = disk.BestIOPS()
 			qd = 0
 		}
-		pf := hints.Prefill.Prefetch
+		pf := ph.Prefetch
 		d := fmt.Sprintf("%.0f pages/s (%.0f backing reads/s) vs %.0f IOPS", pf.PagesPerSec, pf.ReadsPerSec, iops)
 		if qd > 0 {
 			d += fmt.Sprintf(" at QD%d", qd)
@@ -289,8 +297,12 @@ func judge(g *GeometryReport, disk *DiskLimit, fio *FioFloor, queueDepth int) []
 		if fio != nil && fio.IOPS > 0 {
 			d += fmt.Sprintf("; fio %.0f IOPS at QD%d", fio.IOPS, fioQueueDepth)
 		}
-		add(Target{ID: TargetPrefetchIOPS, Name: "prefetch pages/s ≥ 0.9× disk 4 KiB random-read IOPS, same QD", AtLeast: true,
+		add(Target{ID: id, Name: fmt.Sprintf("prefetch %s pages/s ≥ 0.9× disk 4 KiB random-read IOPS, same QD", what), AtLeast: true,
 			Value: ratio(pf.PagesPerSec, iops), Bound: 0.9, Detail: d})
+	}
+	if hints != nil {
+		prefetch(TargetPrefetchIOPS, "beside the gather", hints.Prefill)
+		prefetch(TargetPrefetchAloneIOPS, "alone", hints.PrefetchAlone)
 	}
 
 	cpu := func(id, what string, p *PathResult, phase string, ph *Phase, bound float64) {
@@ -316,6 +328,7 @@ func judge(g *GeometryReport, disk *DiskLimit, fio *FioFloor, queueDepth int) []
 	if hints != nil {
 		cpu(TargetCPUHintsDecode, "engramfs+hints", hints, "decode", hints.Decode, 1.5)
 		cpu(TargetCPUHintsPrefill, "engramfs+hints", hints, "prefill", hints.Prefill, 1.5)
+		cpu(TargetCPUPrefetchAlone, "engramfs+hints", hints, "prefetch alone", hints.PrefetchAlone, 1.5)
 	}
 	if eng != nil {
 		cpu(TargetCPUFaultsDecode, "engramfs (faults)", eng, "decode", eng.Decode, 3)
@@ -432,6 +445,15 @@ func (r *Report) WriteTable(w io.Writer) {
 				fmt.Fprintf(w, "; %d barriers FAILED", pf.Failed)
 			}
 			fmt.Fprintln(w)
+		}
+		for _, p := range g.Paths {
+			ph := p.PrefetchAlone
+			if ph == nil || ph.Prefetch == nil {
+				continue
+			}
+			pf := ph.Prefetch
+			fmt.Fprintf(w, "%s prefetch alone (one chunk's hints, cold cache, no gather): %s pages in %s: %s pages/s, %s backing reads/s; daemon %s µs and %.2f context switches a backing page\n",
+				p.Label, fmtCount(float64(pf.Pages)), fmtDur(pf.Times.Max), fmtCount(pf.PagesPerSec), fmtCount(pf.ReadsPerSec), sig3(ph.DaemonCPUPerPage), ph.DaemonSwitchesPerPage)
 		}
 		for _, p := range g.Paths {
 			seen := map[string]bool{}

@@ -52,6 +52,8 @@ func fakeReport() *Report {
 	h.Decode.Barrier, h.Decode.BarrierHow = BarrierRead, "read(2) on the control handle"
 	h.Prefill.Barrier, h.Prefill.BarrierHow = BarrierRead, "read(2) on the control handle"
 	h.Prefill.Prefetch = &Prefetch{Times: Summary{N: 2, P50: 600 * time.Millisecond}, ReadsPerSec: 80_000, PagesPerSec: 95_000, WithinCompute: 2}
+	h.PrefetchAlone = &Phase{Times: Summary{N: 1, P50: 500 * time.Millisecond, Max: 500 * time.Millisecond}, Rows: 30_000, DaemonCPUPerPage: 14, DaemonSwitchesPerPage: 0.2,
+		Prefetch: &Prefetch{Times: Summary{N: 1, P50: 500 * time.Millisecond, Max: 500 * time.Millisecond}, Pages: 35_000, Reads: 36_000, PagesPerSec: 70_000, ReadsPerSec: 72_000}}
 	g.Paths = append(g.Paths, &PathResult{Path: PathMmapRA, Label: PathMmapRA.Label(), Skipped: "not asked for"})
 	r := &Report{
 		Machine:    Machine{CPUs: 2, MemBytes: 24 << 30, Kernel: "6.18", Disk: "ext4 on /dev/vda"},
@@ -117,14 +119,16 @@ func TestTargets(t *testing.T) {
 		value float64
 		met   bool
 	}{
-		TargetHintsVsV3:        {1.25, false}, // hints 2.5 ms / mmap+willneed 2 ms (vs mmap: 0.25)
-		TargetV3MountVsShards:  {1.2, true},   // engramfs+willneed 2.4 ms / mmap+willneed 2 ms (vs mmap: 0.24)
-		TargetPrefetchIOPS:     {0.95, true},  // 95K pages/s / 100K IOPS at QD64 (reads: 0.8; QD32: 1.12)
-		TargetCPUHintsDecode:   {2, false},    // 20 µs / 10 µs
-		TargetCPUHintsPrefill:  {1.2, true},   // 12 µs / 10 µs
-		TargetCPUFaultsDecode:  {2.5, true},   // 25 µs / 10 µs (engramfs+willneed: 3.3)
-		TargetCPUFaultsPrefill: {4, false},    // 40 µs / 10 µs (engramfs+willneed: 4.4)
-		TargetNoHintsVsMmap:    {1.2, true},   // engramfs 12 ms / mmap 10 ms (vs mmap+willneed: 6)
+		TargetHintsVsV3:         {1.25, false}, // hints 2.5 ms / mmap+willneed 2 ms (vs mmap: 0.25)
+		TargetV3MountVsShards:   {1.2, true},   // engramfs+willneed 2.4 ms / mmap+willneed 2 ms (vs mmap: 0.24)
+		TargetPrefetchIOPS:      {0.95, true},  // 95K pages/s / 100K IOPS at QD64 (reads: 0.8; QD32: 1.12)
+		TargetPrefetchAloneIOPS: {0.7, false},  // 70K pages/s / 100K IOPS at QD64 (reads: 0.72; the prefill phase's: 0.95)
+		TargetCPUHintsDecode:    {2, false},    // 20 µs / 10 µs
+		TargetCPUHintsPrefill:   {1.2, true},   // 12 µs / 10 µs
+		TargetCPUPrefetchAlone:  {1.4, true},   // 14 µs / 10 µs (prefill: 1.2)
+		TargetCPUFaultsDecode:   {2.5, true},   // 25 µs / 10 µs (engramfs+willneed: 3.3)
+		TargetCPUFaultsPrefill:  {4, false},    // 40 µs / 10 µs (engramfs+willneed: 4.4)
+		TargetNoHintsVsMmap:     {1.2, true},   // engramfs 12 ms / mmap 10 ms (vs mmap+willneed: 6)
 	}
 	got := map[string]Target{}
 	for _, tg := range r.Targets {
@@ -166,8 +170,8 @@ func TestTargets(t *testing.T) {
 			}
 		}
 	}
-	if n != 4 {
-		t.Errorf("%d CPU targets without fio, want 4 (reported as n/a)", n)
+	if n != 5 {
+		t.Errorf("%d CPU targets without fio, want 5 (reported as n/a)", n)
 	}
 	for _, s := range []string{"fio floor: n/a (fio is not on PATH)", "n/a    big    daemon CPU/page", "not judged: no fio floor"} {
 		if !strings.Contains(b.String(), s) {
@@ -205,7 +209,8 @@ func TestWriteTableAndJSON(t *testing.T) {
 	out := b.String()
 	for _, s := range []string{"2 mmap", "5 engramfs+hints", "4' engramfs+willneed", "warm page cache", "skipped: not asked for", "MISSED", "10.0ms", "60M", "QD64 100K IOPS",
 		"cpu µs/page", "io_uring", "pread", "fio floor (4 KiB random reads, io_uring, QD64, O_DIRECT, 5 s on model-00001.safetensors): 60K IOPS, 10.0 µs of CPU a read",
-		"5 engramfs+hints barrier: read(2) on the control handle", "(bound ≥ 0.90)", "(bound ≤ 0.60)"} {
+		"5 engramfs+hints barrier: read(2) on the control handle", "(bound ≥ 0.90)", "(bound ≤ 0.60)",
+		"5 engramfs+hints prefetch alone (one chunk's hints, cold cache, no gather): 35K pages in 500ms: 70K pages/s, 72K backing reads/s; daemon 14.0 µs and 0.20 context switches a backing page"} {
 		if !strings.Contains(out, s) {
 			t.Errorf("table lacks %q:\n%s", s, out)
 		}
@@ -226,7 +231,8 @@ func TestWriteTableAndJSON(t *testing.T) {
 		t.Errorf("JSON round trip lost the figures")
 	}
 	h := back.Geometries[0].path(PathHints)
-	if h.Decode.DaemonCPUPerPage != 20 || h.Prefill.DaemonCPUPerPage != 12 || h.Daemon.ReadEngine != "io_uring" || h.Decode.Barrier != BarrierRead {
+	if h.Decode.DaemonCPUPerPage != 20 || h.Prefill.DaemonCPUPerPage != 12 || h.Daemon.ReadEngine != "io_uring" || h.Decode.Barrier != BarrierRead ||
+		h.PrefetchAlone == nil || h.PrefetchAlone.Prefetch == nil || h.PrefetchAlone.Prefetch.PagesPerSec != 70_000 {
 		t.Errorf("JSON round trip lost the daemon's CPU a page, read engine or barrier: %+v %+v", h.Daemon, h.Decode)
 	}
 	if back.Fio == nil || back.Fio.CPUPerRead != 10 || len(back.Targets) != len(r.Targets) {
