@@ -327,7 +327,36 @@ func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *daemonproc.Daemon
 type prefetchRec struct {
 	dur          time.Duration
 	pages, reads uint64
-	err          error
+	err          error // the barrier's
+	statsErr     error // reading the stats after it (pages and reads are 0)
+}
+
+// sendPrefill sends one chunk's prefill hints, a frame per layer, and
+// returns wait: it blocks on the barrier and accounts the chunk's prefetch,
+// its time from the first hint, the pages it stored and its backing reads.
+func (r *geomRun) sendPrefill(d *daemonproc.Daemon, h *hinter, chunk [][]uint64) (wait func() prefetchRec, err error) {
+	before, err := d.Stats()
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	for j, rows := range chunk {
+		if err := h.Prefill(r.model.Layers[j], rows); err != nil {
+			return nil, err
+		}
+	}
+	return func() prefetchRec {
+		rec := prefetchRec{err: h.Wait()}
+		rec.dur = time.Since(start)
+		after, err := d.Stats()
+		if err != nil {
+			rec.statsErr = err
+			return rec
+		}
+		rec.pages = after.PrefetchPagesStored - before.PrefetchPagesStored
+		rec.reads = after.BackingReads - before.BackingReads
+		return rec
+	}, nil
 }
 
 // prefillBody gathers every chunk's unique rows. Path 5 hints chunk k+1
@@ -341,26 +370,12 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *daemonproc.Daemo
 	var pfTimes []time.Duration
 	var pending <-chan prefetchRec
 	sendHints := func(k int) error {
-		before, err := d.Stats()
+		wait, err := r.sendPrefill(d, h, r.prefill[k])
 		if err != nil {
 			return err
 		}
-		start := time.Now()
-		for j, rows := range r.prefill[k] {
-			if err := h.Prefill(r.model.Layers[j], rows); err != nil {
-				return err
-			}
-		}
 		ch := make(chan prefetchRec, 1)
-		go func() {
-			rec := prefetchRec{err: h.Wait()}
-			rec.dur = time.Since(start)
-			if after, err := d.Stats(); err == nil {
-				rec.pages = after.PrefetchPagesStored - before.PrefetchPagesStored
-				rec.reads = after.BackingReads - before.BackingReads
-			}
-			ch <- rec
-		}()
+		go func() { ch <- wait() }()
 		pending = ch
 		return nil
 	}
@@ -498,31 +513,19 @@ func (r *geomRun) prefetchAloneBody(d *daemonproc.Daemon, ph *Phase) error {
 	}
 	defer h.Close()
 	ph.Barrier, ph.BarrierHow = h.barrier, h.why
-	before, err := d.Stats()
+	wait, err := r.sendPrefill(d, h, r.alone)
 	if err != nil {
 		return err
 	}
-	start := time.Now()
-	for j, rows := range r.alone {
-		if err := h.Prefill(r.model.Layers[j], rows); err != nil {
-			return err
-		}
+	rec := wait()
+	if err := errors.Join(rec.err, rec.statsErr); err != nil {
+		return err
+	}
+	for _, rows := range r.alone {
 		ph.Rows += int64(len(rows))
 	}
-	if err := h.Wait(); err != nil {
-		return err
-	}
-	dur := time.Since(start)
-	after, err := d.Stats()
-	if err != nil {
-		return err
-	}
-	pf := &Prefetch{
-		Times: Summarize([]time.Duration{dur}),
-		Pages: after.PrefetchPagesStored - before.PrefetchPagesStored,
-		Reads: after.BackingReads - before.BackingReads,
-	}
-	pf.PagesPerSec, pf.ReadsPerSec = float64(pf.Pages)/dur.Seconds(), float64(pf.Reads)/dur.Seconds()
+	pf := &Prefetch{Times: Summarize([]time.Duration{rec.dur}), Pages: rec.pages, Reads: rec.reads}
+	pf.PagesPerSec, pf.ReadsPerSec = float64(pf.Pages)/rec.dur.Seconds(), float64(pf.Reads)/rec.dur.Seconds()
 	ph.Times, ph.Prefetch = pf.Times, pf
 	return nil
 }
