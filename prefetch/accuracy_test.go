@@ -3,6 +3,7 @@ package prefetch
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 
@@ -47,8 +48,29 @@ func testModel(t testing.TB, rows int64) *backing.Model {
 // recordingTier is a HotTier that pins nothing and remembers admissions.
 type recordingTier struct {
 	mu       sync.Mutex
-	admitted map[cache.PageKey]cache.Signal
+	admitted map[cache.PageKey]cache.Signal // each page's last signal
+	log      map[cache.PageKey][]cache.Signal
 	pinned   map[cache.PageKey]bool
+}
+
+// heard is every signal k was admitted with, in order.
+func (r *recordingTier) heard(k cache.PageKey) []cache.Signal {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.log[k])
+}
+
+// faultHits is the pages admitted as fault hits.
+func (r *recordingTier) faultHits() []cache.PageKey {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var keys []cache.PageKey
+	for k, sigs := range r.log {
+		if slices.Contains(sigs, cache.SignalFault) {
+			keys = append(keys, k)
+		}
+	}
+	return keys
 }
 
 func (r *recordingTier) Pinned(k cache.PageKey) bool {
@@ -62,8 +84,12 @@ func (r *recordingTier) OwnFault(k cache.PageKey) bool { return false }
 func (r *recordingTier) Admit(keys []cache.PageKey, sig cache.Signal) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if r.log == nil {
+		r.log = map[cache.PageKey][]cache.Signal{}
+	}
 	for _, k := range keys {
 		r.admitted[k] = sig
+		r.log[k] = append(r.log[k], sig)
 	}
 }
 

@@ -480,7 +480,8 @@ func (p *Prefetcher) modelTable(id uint32) *backing.Table {
 //     (the kernel holds the page's lock until then).
 //   - A page a hint asked for since its last fault counts once as
 //     refaulted in its layer (refaulted).
-//   - The hot tier hears of the rest as fault hits (cache.SignalFault).
+//   - The hot tier hears of the rest as fault hits (cache.SignalFault),
+//     and of a late page only so: its prefetch's settle offers it nothing.
 //
 // It never blocks.
 func (p *Prefetcher) Faulted(keys []cache.PageKey) {

@@ -167,7 +167,8 @@ func TestFaultOnAPrefetchInFlightIsLateOnce(t *testing.T) {
 	hr := heldReader{submitted: make(chan *backing.TableRead, 16), release: make(chan struct{})}
 	loader := cache.NewLoader(hr, m.Tables, st)
 	pusher := &gatedPusher{gate: make(chan struct{})}
-	p := New(Config{InflightPages: 4, PrefillQueuePages: 1000}, m, loader, pusher, nil, st, nil)
+	tier := &recordingTier{admitted: map[cache.PageKey]cache.Signal{}, pinned: map[cache.PageKey]bool{}}
+	p := New(Config{InflightPages: 4, PrefillQueuePages: 1000}, m, loader, pusher, tier, st, nil)
 	var reply sync.Once
 	replied := func() { reply.Do(func() { close(pusher.gate) }) }
 	defer p.Close()
@@ -198,9 +199,18 @@ func TestFaultOnAPrefetchInFlightIsLateOnce(t *testing.T) {
 	if late := st.PrefetchLate.Load(); late != 1 {
 		t.Fatalf("prefetch_late %d after one fault on a page in flight, want 1", late)
 	}
+	p.Faulted(keys) // a second reader's read of it, as a read(2) can
+	if late := st.PrefetchLate.Load(); late != 1 {
+		t.Fatalf("prefetch_late %d after two faults on a page in flight, want 1 (a page is late once)", late)
+	}
 	replied() // the reply: the push lands
 	if err := b.Wait(t.Context()); err != nil {
 		t.Fatal(err)
+	}
+	// The tier heard of the page as the faults that read it, not again as
+	// the decode hint whose prefetch they caught.
+	if sigs := tier.heard(keys[0]); !slices.Equal(sigs, []cache.Signal{cache.SignalFault, cache.SignalFault}) {
+		t.Fatalf("the tier heard of the late page as %v, want its two faults only", sigs)
 	}
 	p.Faulted(keys) // evicted and faulted again: no prefetch pending now
 	if late := st.PrefetchLate.Load(); late != 1 {
@@ -238,19 +248,24 @@ func TestOwnPopulateFaultsAreNoDemand(t *testing.T) {
 	tier.own = map[cache.PageKey]bool{own: true}
 
 	p.Faulted([]cache.PageKey{own})
-	if late, refaulted := st.PrefetchLate.Load(), st.Layer(0).Refaulted.Load(); late != 0 || refaulted != 0 || len(tier.admitted) != 0 {
-		t.Fatalf("own populate fault: late %d, refaulted %d, admitted %v; want none", late, refaulted, tier.admitted)
+	if late, refaulted, hits := st.PrefetchLate.Load(), st.Layer(0).Refaulted.Load(), tier.faultHits(); late != 0 || refaulted != 0 || len(hits) != 0 {
+		t.Fatalf("own populate fault: late %d, refaulted %d, fault hits %v; want none", late, refaulted, hits)
 	}
 	p.Faulted([]cache.PageKey{own, reader})
 	if late, refaulted := st.PrefetchLate.Load(), st.Layer(0).Refaulted.Load(); late != 1 || refaulted != 1 {
 		t.Fatalf("a reader's fault beside an own one: late %d, refaulted %d; want 1 and 1", late, refaulted)
 	}
-	if sig, ok := tier.admitted[reader]; !ok || sig != cache.SignalFault || len(tier.admitted) != 1 {
-		t.Fatalf("admitted %v, want only page %d as a fault hit", tier.admitted, pg30)
+	if hits := tier.faultHits(); len(hits) != 1 || hits[0] != reader {
+		t.Fatalf("fault hits %v, want only page %d", hits, pg30)
 	}
 	close(br.release)
 	if err := b.Wait(t.Context()); err != nil {
 		t.Fatal(err)
+	}
+	// The reader's page was heard of once, as its fault: the settle of the
+	// prefetch it cancelled offers it nothing more.
+	if sigs := tier.heard(reader); !slices.Equal(sigs, []cache.Signal{cache.SignalFault}) {
+		t.Fatalf("the tier heard of the faulted page as %v, want only its fault", sigs)
 	}
 }
 

@@ -53,6 +53,10 @@ type pageState struct {
 	claimedDecode bool
 	// admitDecode: offer it to the hot tier as decode work once resident.
 	admitDecode bool
+	// faulted: a reader faulted it while it was queued or in flight. The
+	// hot tier heard of it then, as a fault (Prefetcher.Faulted), so its
+	// settle offers it nothing: one access, heard once.
+	faulted bool
 	// Handles waiting for it, each with the oldest of its submissions that
 	// named the page: a later submission of the same handle that names it
 	// again adds nothing (any barrier covering the later one covers the
@@ -471,10 +475,14 @@ func (c *core) answered(r cache.Run) {
 }
 
 // admissions reports which of pages [first, first+n) of table are to be
-// offered to the hot tier as decode work (true) or as prefill work.
+// offered to the hot tier as decode work (true) or as prefill work. A page a
+// reader faulted before its prefetch settled is not: the tier heard of that
+// access as a fault already, and hearing of it twice would promote a page
+// read once (a late decode prefetch would reach the protected segment, an
+// early one would not).
 func (c *core) admissions(table uint32, first, n uint64, fn func(k cache.PageKey, decode bool)) {
 	for pg := first; pg < first+n; pg++ {
-		if s := c.pages.get(table, pg); s != nil && s.stage != stQueued {
+		if s := c.pages.get(table, pg); s != nil && s.stage != stQueued && !s.faulted {
 			fn(cache.PageKey{Table: table, Page: pg}, s.admitDecode)
 		}
 	}
@@ -523,7 +531,9 @@ func (c *core) decodeBusy() <-chan struct{} {
 // settle here: the caller confirms each returned page resident, then
 // settles it. Pages in flight are left alone: the loader hands the fault the
 // prefetch's own read. late counts the keys whose prefetch was queued or in
-// flight; a page a fault cancelled already is neither.
+// flight, once a page: a page a fault cancelled or caught already is neither.
+// Either way the page is marked faulted, so its settle offers the hot tier
+// nothing (see admissions).
 func (c *core) faulted(keys []cache.PageKey) (confirm []cache.PageKey, late uint64) {
 	for _, k := range keys {
 		s := c.pages.get(k.Table, k.Page)
@@ -533,10 +543,14 @@ func (c *core) faulted(keys []cache.PageKey) (confirm []cache.PageKey, late uint
 		switch s.stage {
 		case stQueued:
 			s.stage = stFaulted
+			s.faulted = true
 			confirm = append(confirm, k)
 			late++
 		case stInflight:
-			late++
+			if !s.faulted {
+				s.faulted = true
+				late++
+			}
 		}
 	}
 	return confirm, late
