@@ -3,6 +3,7 @@ package cache
 import (
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -58,9 +59,10 @@ type FetchDone func(r Run, pages [][]byte, err error)
 // Loader is the read-through page loader of every table file: the fault path
 // and the prefetch path both go through it, so a page is read from backing
 // once even when a fault and a hint want it at the same moment
-// (singleflight per page). It keeps no data: the kernel page cache is the
-// cache, the loader only owns reads in flight, and remembers for a second
-// the pages that failed.
+// (singleflight per page). It keeps no data of its own: the kernel page
+// cache is the cache. The loader owns reads in flight, holds the pages a
+// prefetch fetched until their store has landed (FetchHeld, Release), and
+// remembers for a second the pages that failed.
 type Loader struct {
 	src    backing.Reader
 	tables []*backing.Table
@@ -69,6 +71,7 @@ type Loader struct {
 
 	mu       sync.Mutex
 	flights  map[PageKey]*flight     // GUARDED_BY(mu)
+	held     map[PageKey][]byte      // GUARDED_BY(mu): fetched by FetchHeld, not yet Released
 	negative map[PageKey]negativeHit // GUARDED_BY(mu)
 
 	inline atomic.Int32 // faults reading on their own goroutine now
@@ -88,6 +91,7 @@ type flight struct {
 type fetch struct {
 	run  Run
 	done FetchDone
+	hold bool // FetchHeld: its pages stay in Loader.held until Release
 }
 
 type negativeHit struct {
@@ -98,7 +102,7 @@ type negativeHit struct {
 // NewLoader reads the pages of tables through src.
 func NewLoader(src backing.Reader, tables []*backing.Table, st *stats.Counters) *Loader {
 	return &Loader{src: src, tables: tables, st: st, now: time.Now,
-		flights: map[PageKey]*flight{}, negative: map[PageKey]negativeHit{}}
+		flights: map[PageKey]*flight{}, held: map[PageKey][]byte{}, negative: map[PageKey]negativeHit{}}
 }
 
 // Table returns table id, or nil.
@@ -122,7 +126,7 @@ func (l *Loader) Load(id uint32, first, n uint64, origin Origin) ([][]byte, erro
 		firstErr error
 		ready    = make(chan struct{})
 	)
-	l.fetch([]Run{{Table: id, First: first, N: n}}, origin, true, func(r Run, pages [][]byte, err error) {
+	l.fetch([]Run{{Table: id, First: first, N: n}}, origin, true, false, func(r Run, pages [][]byte, err error) {
 		mu.Lock()
 		defer mu.Unlock()
 		if err != nil && firstErr == nil {
@@ -152,15 +156,45 @@ func (l *Loader) Load(id uint32, first, n uint64, origin Origin) ([][]byte, erro
 //
 // LOCKS_EXCLUDED(l.mu)
 func (l *Loader) Fetch(runs []Run, origin Origin, done FetchDone) {
-	l.fetch(runs, origin, false, done)
+	l.fetch(runs, origin, false, false, done)
 }
 
-// fetch is Fetch; inline: run this call's own backing reads on the calling
+// FetchHeld is Fetch for a prefetch: the pages it reads are held, after
+// their read, until Release says their store into the page cache has
+// landed. A fault in that window (a reader that got there before the push)
+// is answered with them at once; without the hold it would read the page
+// from backing again, and did for a third of a prefill chunk's late pages
+// (measured: docs/design.md, "A fault that got there first"). The caller
+// must Release every run it fetched, whatever became of it.
+//
+// LOCKS_EXCLUDED(l.mu)
+func (l *Loader) FetchHeld(runs []Run, origin Origin, done FetchDone) {
+	l.fetch(runs, origin, false, true, done)
+}
+
+// Release ends the hold on the pages of runs (FetchHeld): later faults
+// read them from backing, if the page cache no longer has them.
+//
+// LOCKS_EXCLUDED(l.mu)
+func (l *Loader) Release(runs ...Run) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.held) == 0 {
+		return
+	}
+	for _, r := range runs {
+		for pg := r.First; pg < r.First+r.N; pg++ {
+			delete(l.held, PageKey{Table: r.Table, Page: pg})
+		}
+	}
+}
+
+// fetch is Fetch; hold: FetchHeld; inline: run this call's own backing reads on the calling
 // goroutine when the backing can (a fault's reader is blocked anyway, and a
 // hand-off to another thread costs more than the read on these VMs), unless
 // maxInline faults already do: then a thread blocked per read costs more
 // than the hand-off, and the engine submits them together.
-func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
+func (l *Loader) fetch(runs []Run, origin Origin, inline, hold bool, done FetchDone) {
 	var reads []*backing.TableRead
 	type failure struct {
 		f   *fetch
@@ -168,6 +202,12 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 		err error
 	}
 	var failed []failure
+	type heldPage struct {
+		f    *fetch
+		pg   uint64
+		data []byte
+	}
+	var ready []heldPage
 	now := l.now()
 	demand := origin == OriginFault || origin == OriginDecode
 	for _, r := range runs {
@@ -176,11 +216,17 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 			done(r, nil, fmt.Errorf("pages [%d, +%d) of table %d: outside its data pages", r.First, r.N, r.Table))
 			continue
 		}
-		f := &fetch{run: r, done: done}
+		f := &fetch{run: r, done: done, hold: hold}
 		l.mu.Lock()
 		mine := uint64(0) // length of the current run of pages this call reads
 		for i := uint64(0); i < r.N; i++ {
 			k := PageKey{Table: r.Table, Page: r.First + i}
+			if data, ok := l.held[k]; ok {
+				ready = append(ready, heldPage{f, k.Page, data})
+				reads = l.appendRead(reads, t, k.Page-mine, mine, demand)
+				mine = 0
+				continue
+			}
 			if fl, ok := l.flights[k]; ok {
 				fl.waiters = append(fl.waiters, f)
 				reads = l.appendRead(reads, t, k.Page-mine, mine, demand)
@@ -208,6 +254,12 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline bool, done FetchDone) {
 	}
 	for _, fl := range failed {
 		fl.f.done(Run{Table: fl.f.run.Table, First: fl.f.run.First + fl.i, N: 1}, nil, fl.err)
+	}
+	if len(ready) > 0 && !hold {
+		l.st.PrefetchLateServed.Add(uint64(len(ready)))
+	}
+	for _, h := range ready {
+		h.f.done(Run{Table: h.f.run.Table, First: h.pg, N: 1}, [][]byte{h.data}, nil)
 	}
 	if len(reads) == 0 {
 		return
@@ -280,6 +332,9 @@ func (l *Loader) settle(table uint32, first uint64, pages [][]byte, err error) {
 		if fl, ok := l.flights[k]; ok {
 			waiting[i] = fl.waiters
 			delete(l.flights, k)
+			if err == nil && slices.ContainsFunc(fl.waiters, func(f *fetch) bool { return f.hold }) {
+				l.held[k] = pages[i]
+			}
 		}
 		if err != nil && backing.PageError(err) && len(pages) == 1 {
 			l.remember(k, err)

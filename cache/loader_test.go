@@ -447,3 +447,113 @@ func TestLoaderInlineFaultsAreBounded(t *testing.T) {
 		t.Errorf("%d faults went to the engine, want at least %d", fb.readCount(), faults-int(maxInline))
 	}
 }
+
+// fetchHeldAll runs a FetchHeld of runs and waits for every page's answer.
+func fetchHeldAll(t *testing.T, l *Loader, runs ...Run) {
+	t.Helper()
+	var want uint64
+	for _, r := range runs {
+		want += r.N
+	}
+	var mu sync.Mutex
+	got := uint64(0)
+	all := make(chan error, 1)
+	l.FetchHeld(runs, OriginPrefetch, func(r Run, pages [][]byte, err error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if got += r.N; err != nil || got == want {
+			select {
+			case all <- err:
+			default:
+			}
+		}
+	})
+	if err := <-all; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A fault on a page a prefetch has read but not yet stored gets that read's
+// bytes without a backing read of its own, until the prefetch releases the
+// page; after that it reads backing (the page cache no longer has it).
+func TestLoaderHeldPagesServeFaultsUntilReleased(t *testing.T) {
+	tb := testTable(16)
+	fb := newFakeBacking()
+	st := &stats.Counters{}
+	l := NewLoader(fb, []*backing.Table{tb}, st)
+	fetchHeldAll(t, l, Run{First: 3, N: 4}) // pages 3-6, one read
+	if r := fb.readCount(); r != 1 {
+		t.Fatalf("%d backing reads for one run, want 1", r)
+	}
+	for _, pg := range []uint64{3, 6} {
+		pages, err := l.Load(0, pg, 1, OriginFault)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wantPage(t, tb, pg, pages[0])
+	}
+	// A fault spanning a held page and one nobody read reads only the other.
+	pages, err := l.Load(0, 6, 2, OriginFault)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantPage(t, tb, 6, pages[0])
+	wantPage(t, tb, 7, pages[1])
+	if r, served := fb.readCount(), st.PrefetchLateServed.Load(); r != 2 || served != 3 {
+		t.Fatalf("%d backing reads and %d pages served from the hold, want 2 (the run, page 7) and 3", r, served)
+	}
+	l.Release(Run{First: 3, N: 2}) // pages 3 and 4
+	if _, err := l.Load(0, 3, 1, OriginFault); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Load(0, 5, 1, OriginFault); err != nil {
+		t.Fatal(err)
+	}
+	if r := fb.readCount(); r != 3 {
+		t.Fatalf("%d backing reads, want 3: a released page is read again, a held one is not", r)
+	}
+	l.Release(Run{First: 5, N: 2})
+	l.mu.Lock()
+	left := len(l.held)
+	l.mu.Unlock()
+	if left != 0 {
+		t.Fatalf("%d pages still held after every run was released", left)
+	}
+	// A plain Fetch (a fault's) holds nothing.
+	if _, err := l.Load(0, 9, 1, OriginFault); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Load(0, 9, 1, OriginFault); err != nil {
+		t.Fatal(err)
+	}
+	if r := fb.readCount(); r != 5 {
+		t.Fatalf("%d backing reads, want 5: a fault's page is not held", r)
+	}
+}
+
+// A prefetch whose read failed holds nothing: the fault that follows reads
+// backing itself (and gets the data once the page reads again).
+func TestLoaderFailedHeldReadHoldsNothing(t *testing.T) {
+	tb := testTable(16)
+	fb := newFakeBacking()
+	fb.failEIO[2] = 1 // data page 2 = file page 3: fails once
+	l := NewLoader(fb, []*backing.Table{tb}, &stats.Counters{})
+	l.FetchHeld([]Run{{First: 3, N: 1}}, OriginPrefetch, func(r Run, pages [][]byte, err error) {})
+	waitUntilLoader(t, func() bool {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return len(l.flights) == 0
+	})
+	l.mu.Lock()
+	held := len(l.held)
+	delete(l.negative, PageKey{Page: 3}) // past the negative cache's TTL
+	l.mu.Unlock()
+	if held != 0 {
+		t.Fatalf("%d pages held after a failed read, want 0", held)
+	}
+	pages, err := l.Load(0, 3, 1, OriginFault)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantPage(t, tb, 3, pages[0])
+}

@@ -51,10 +51,10 @@ func (p *Prefetcher) claimAndFetch() {
 		// serves and hedges them as it does a fault's); prefill's
 		// wait their turn.
 		if len(decode) > 0 {
-			p.loader.Fetch(decode, cache.OriginDecode, p.fetchedDecode)
+			p.loader.FetchHeld(decode, cache.OriginDecode, p.fetchedDecode)
 		}
 		if len(prefill) > 0 {
-			p.loader.Fetch(prefill, cache.OriginPrefetch, p.fetchedPrefill)
+			p.loader.FetchHeld(prefill, cache.OriginPrefetch, p.fetchedPrefill)
 		}
 	}
 }

@@ -48,9 +48,12 @@ type Confirmer interface {
 	Confirm(table uint32, off int64) error
 }
 
-// PageFetcher is the shared read-through loader (cache.Loader).
+// PageFetcher is the shared read-through loader (cache.Loader). Pages
+// fetched with FetchHeld are handed to faults without a new read until
+// Release: the prefetcher releases every run it fetched once it has settled.
 type PageFetcher interface {
-	Fetch(runs []cache.Run, origin cache.Origin, done cache.FetchDone)
+	FetchHeld(runs []cache.Run, origin cache.Origin, done cache.FetchDone)
+	Release(runs ...cache.Run)
 }
 
 // HotTier is the pinned hot tier, when there is one (cache.HotCache).

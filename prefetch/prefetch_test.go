@@ -1,10 +1,14 @@
 package prefetch
 
 import (
+	"errors"
+	"fmt"
 	"math/rand/v2"
 	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -504,4 +508,165 @@ func TestDecodePushedBeforePrefill(t *testing.T) {
 	if last == len(pusher.tables)-1 {
 		t.Fatalf("the decode pages were stored after every prefill page of their batch: %v", pusher.tables)
 	}
+}
+
+// countingReader answers every read with zeros and counts the reads.
+type countingReader struct{ reads atomic.Int64 }
+
+func (c *countingReader) Submit(reads ...*backing.TableRead) {
+	for _, r := range reads {
+		c.reads.Add(1)
+		r.Done(make([]byte, r.Len), nil)
+	}
+}
+
+// enteredPusher is a gatedPusher that says when a store has begun.
+type enteredPusher struct {
+	gatedPusher
+	entered chan struct{}
+}
+
+func (e *enteredPusher) Store(table uint32, off int64, data []byte) error {
+	select {
+	case e.entered <- struct{}{}:
+	default:
+	}
+	return e.gatedPusher.Store(table, off, data)
+}
+
+// A fault that comes after a prefetch's read has finished, while its store
+// is still on its way, gets that read's bytes: no second backing read. Once
+// the store has landed the page is the page cache's again.
+func TestFaultBeforeThePushLandsSharesTheRead(t *testing.T) {
+	m := testModel(t, 4000)
+	st := &stats.Counters{}
+	st.SetLayers(m.Layers)
+	cr := &countingReader{}
+	loader := cache.NewLoader(cr, m.Tables, st)
+	pusher := &enteredPusher{gatedPusher: gatedPusher{gate: make(chan struct{})}, entered: make(chan struct{}, 1)}
+	p := New(Config{InflightPages: 4, PrefillQueuePages: 1000}, m, loader, pusher, nil, st, nil)
+	var once sync.Once
+	landed := func() { once.Do(func() { close(pusher.gate) }) }
+	defer p.Close()
+	defer landed() // before Close, which waits for the pushers
+	tb := m.Tables[0]
+	first, _ := tb.RowPages(10)
+	b := NewBarrier()
+	p.Submit(hints.Prefill, 0, []uint64{10}, b)
+	<-pusher.entered // read, and being stored
+	pages, err := loader.Load(tb.ID, first, 1, cache.OriginFault)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(pages) != 1 || len(pages[0]) != cache.PageSize {
+		t.Fatalf("the fault got %d pages, want the page", len(pages))
+	}
+	if reads, served := cr.reads.Load(), st.PrefetchLateServed.Load(); reads != 1 || served != 1 {
+		t.Fatalf("%d backing reads, %d pages served from the prefetch's read; want 1 and 1", reads, served)
+	}
+	p.Faulted([]cache.PageKey{{Table: tb.ID, Page: first}})
+	if late := st.PrefetchLate.Load(); late != 1 {
+		t.Fatalf("prefetch_late %d, want 1", late)
+	}
+	landed()
+	if err := b.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := loader.Load(tb.ID, first, 1, cache.OriginFault); err != nil {
+		t.Fatal(err)
+	}
+	if reads := cr.reads.Load(); reads != 2 {
+		t.Fatalf("%d backing reads, want 2: once the store has landed, a fault reads backing (the page was evicted)", reads)
+	}
+}
+
+// releaseCheck is the loader, with a count of the pages the prefetcher
+// fetched with FetchHeld and has not released.
+type releaseCheck struct {
+	*cache.Loader
+	mu   sync.Mutex
+	held map[cache.PageKey]bool
+}
+
+func (r *releaseCheck) FetchHeld(runs []cache.Run, origin cache.Origin, done cache.FetchDone) {
+	r.mu.Lock()
+	for _, run := range runs {
+		for pg := run.First; pg < run.First+run.N; pg++ {
+			r.held[cache.PageKey{Table: run.Table, Page: pg}] = true
+		}
+	}
+	r.mu.Unlock()
+	r.Loader.FetchHeld(runs, origin, done)
+}
+
+func (r *releaseCheck) Release(runs ...cache.Run) {
+	r.mu.Lock()
+	for _, run := range runs {
+		for pg := run.First; pg < run.First+run.N; pg++ {
+			delete(r.held, cache.PageKey{Table: run.Table, Page: pg})
+		}
+	}
+	r.mu.Unlock()
+	r.Loader.Release(runs...)
+}
+
+// failingPusher fails every store into table bad.
+type failingPusher struct {
+	countingPusher
+	bad uint32
+}
+
+func (f *failingPusher) Store(table uint32, off int64, data []byte) error {
+	if table == f.bad {
+		return errors.New("test: store refused")
+	}
+	return f.countingPusher.Store(table, off, data)
+}
+
+// Every page the prefetcher fetched is released once it settles, whether
+// its read failed, its store failed or it landed: a page left held would
+// be served to faults from memory long after the page cache dropped it.
+func TestEveryFetchedPageIsReleased(t *testing.T) {
+	m := testModel(t, 4000)
+	st := &stats.Counters{}
+	st.SetLayers(m.Layers)
+	// Reads of layer 0's rows 100-199 fail.
+	bad0, _ := m.Tables[0].RowPages(100)
+	bad1, _ := m.Tables[0].RowPages(199)
+	reader := backing.ReaderFunc(func(tb *backing.Table, off int64, n int) ([]byte, error) {
+		lo, hi := uint64(off)/cache.PageSize+tb.DataPage(), (uint64(off)+uint64(n)-1)/cache.PageSize+tb.DataPage()
+		if tb.ID == m.Tables[0].ID && lo <= bad1 && hi >= bad0 {
+			return nil, fmt.Errorf("test: %w", syscall.EIO)
+		}
+		return make([]byte, n), nil
+	})
+	rc := &releaseCheck{Loader: cache.NewLoader(reader, m.Tables, st), held: map[cache.PageKey]bool{}}
+	p := New(Config{InflightPages: 8, PrefillQueuePages: 1 << 16}, m, rc, &failingPusher{bad: m.Tables[1].ID}, nil, st, nil)
+	rng := rand.New(rand.NewPCG(1, 2))
+	b := NewBarrier()
+	for layer := range 2 {
+		rows := make([]uint64, 500)
+		for i := range rows {
+			rows[i] = rng.Uint64N(4000)
+		}
+		p.Submit(hints.Prefill, m.Layers[layer], rows, b)
+		p.Submit(hints.Decode, m.Layers[layer], []uint64{150, 3000}, b)
+	}
+	_ = b.Wait(t.Context()) // some pages fail: that is the point
+	p.Close()
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	if len(rc.held) != 0 {
+		t.Fatalf("%d fetched pages never released, e.g. %v", len(rc.held), firstKey(rc.held))
+	}
+	if st.PrefetchPagesFailed.Load() == 0 || st.PrefetchPagesStored.Load() == 0 {
+		t.Fatalf("failed %d, stored %d: want both read or store failures and stores", st.PrefetchPagesFailed.Load(), st.PrefetchPagesStored.Load())
+	}
+}
+
+func firstKey(m map[cache.PageKey]bool) cache.PageKey {
+	for k := range m {
+		return k
+	}
+	return cache.PageKey{}
 }

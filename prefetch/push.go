@@ -47,6 +47,7 @@ type pushScratch struct {
 	batch   []outcome // the previous batch, emptied: the next p.out
 	buf     []byte    // merged stores
 	done    []settled
+	runs    []cache.Run
 	decode  []cache.PageKey
 	prefill []cache.PageKey
 }
@@ -202,6 +203,14 @@ func (p *Prefetcher) confirm(r cache.Run) Outcome {
 // pinned). Admit runs without p.mu: pinning faults through our own Read
 // handler, which takes p.mu (Faulted).
 func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
+	// Their stores have landed (or failed): a fault reads them through the
+	// page cache now, or from backing, not from the loader's hold.
+	runs := sc.runs[:0]
+	for _, d := range done {
+		runs = append(runs, d.run)
+	}
+	p.loader.Release(runs...)
+	sc.runs = reuse(runs)
 	decodeKeys, prefillKeys := sc.decode[:0], sc.prefill[:0]
 	if p.hot != nil {
 		p.mu.Lock()

@@ -65,6 +65,7 @@ type Counters struct {
 	PrefetchPagesDropped atomic.Uint64
 	PrefetchStoreErrors  atomic.Uint64
 	PrefetchLate         atomic.Uint64
+	PrefetchLateServed   atomic.Uint64
 	PrefetchPagesFailed  atomic.Uint64
 
 	// Warm restart (warm).
@@ -166,6 +167,7 @@ type Snapshot struct {
 	PrefetchPagesDropped uint64 `json:"prefetch_pages_dropped"`
 	PrefetchStoreErrors  uint64 `json:"prefetch_store_errors"`
 	PrefetchLate         uint64 `json:"prefetch_late"`
+	PrefetchLateServed   uint64 `json:"prefetch_late_served"`
 	PrefetchPagesFailed  uint64 `json:"prefetch_pages_failed"`
 
 	WarmPagesTotal uint64 `json:"warm_pages_total"`
@@ -225,6 +227,7 @@ func (c *Counters) Snapshot() Snapshot {
 		PrefetchPagesDropped: c.PrefetchPagesDropped.Load(),
 		PrefetchStoreErrors:  c.PrefetchStoreErrors.Load(),
 		PrefetchLate:         c.PrefetchLate.Load(),
+		PrefetchLateServed:   c.PrefetchLateServed.Load(),
 		PrefetchPagesFailed:  c.PrefetchPagesFailed.Load(),
 
 		WarmPagesTotal: c.WarmPagesTotal.Load(),
