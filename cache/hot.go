@@ -194,6 +194,12 @@ func (h *HotCache) Pinned(k PageKey) bool {
 	return h.pinner != nil && h.pinner.Pinned(k)
 }
 
+// ResidentRun reports, in bit 0 of vec[i], whether page first+i of table is
+// in the page cache, for i < n; false when it cannot tell (Pinner.ResidentRun).
+func (h *HotCache) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
+	return h.pinner != nil && h.pinner.ResidentRun(table, first, n, vec)
+}
+
 // OwnFault reports whether a FUSE read of page k is the hot tier's own
 // populate of a page it is pinning (not a reader's demand): callers that
 // count demand faults (late prefetches, refaults) should skip it.

@@ -512,16 +512,27 @@ func (p *Pinner) UnpinRun(table uint32, first, n uint64) error {
 	return nil
 }
 
-// Resident reports whether page k is in the page cache (mincore on the
-// pinner's mapping, which it creates if needed; it never faults the page in).
+// Resident reports whether page k is in the page cache (ResidentRun).
 func (p *Pinner) Resident(k PageKey) bool {
-	r, err := p.run(k.Table, k.Page, 1, true)
+	var vec [1]byte
+	return p.ResidentRun(k.Table, k.Page, 1, vec[:]) && vec[0]&1 != 0
+}
+
+// ResidentRun sets bit 0 of vec[i] when page first+i of table is in the
+// page cache, for i < n (mincore on the pinner's mapping, which it creates if
+// needed; it never faults a page in). It reports false, and vec means
+// nothing, when it cannot tell: pinning is unavailable, the pinner is
+// closed, or the run is past the file's end.
+func (p *Pinner) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
+	if !p.Available() {
+		return false // no mapping to ask, and making one would fail again
+	}
+	r, err := p.run(table, first, n, true)
 	if err != nil || r == nil {
 		return false
 	}
 	defer p.inflight.Done()
-	var vec [1]byte
-	return pagecache.Mincore(r, vec[:]) == nil && vec[0]&1 != 0
+	return uint64(pagecache.Pages(len(r))) == n && pagecache.Mincore(r, vec) == nil
 }
 
 // Close munlocks and munmaps every mapping, after waiting for calls in

@@ -51,6 +51,8 @@ type recordingTier struct {
 	admitted map[cache.PageKey]cache.Signal // each page's last signal
 	log      map[cache.PageKey][]cache.Signal
 	pinned   map[cache.PageKey]bool
+	cached   map[cache.PageKey]bool // in the page cache, not pinned
+	lookups  int                    // ResidentRun calls
 }
 
 // heard is every signal k was admitted with, in order.
@@ -80,6 +82,20 @@ func (r *recordingTier) Pinned(k cache.PageKey) bool {
 }
 
 func (r *recordingTier) OwnFault(k cache.PageKey) bool { return false }
+
+// ResidentRun reports the pages in cached as in the page cache.
+func (r *recordingTier) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.lookups++
+	for i := range n {
+		vec[i] = 0
+		if r.cached[cache.PageKey{Table: table, Page: first + i}] {
+			vec[i] = 1
+		}
+	}
+	return true
+}
 
 func (r *recordingTier) Admit(keys []cache.PageKey, sig cache.Signal) {
 	r.mu.Lock()
@@ -246,5 +262,112 @@ func BenchmarkRefaulted(b *testing.B) {
 	for i := range b.N {
 		keys[0].Page = pages[i%len(pages)]
 		p.refaulted(keys)
+	}
+}
+
+// Prefill pages already in the page cache are neither read nor stored: the
+// barrier counts them resident, the tier hears of them as the hint's, and
+// one evicted before its reader came is a refault. Nearby runs share one
+// residency lookup, pinned pages need none, and decode work looks nothing
+// up (its unpinned pages are cold nearly always).
+func TestCachedPagesAreNotFetched(t *testing.T) {
+	m := testModel(t, 4000)
+	tb := m.Tables[0]
+	hot := &recordingTier{admitted: map[cache.PageKey]cache.Signal{}, pinned: map[cache.PageKey]bool{}, cached: map[cache.PageKey]bool{}}
+	key := func(row uint64) cache.PageKey {
+		pg, _ := tb.RowPages(row)
+		return cache.PageKey{Table: tb.ID, Page: pg}
+	}
+	// Rows 0, 10, ..., 990: one page each, 10 apart. Every third is
+	// cached, row 500 is pinned.
+	var rows []uint64
+	cached := 0
+	for r := uint64(0); r < 1000; r += 10 {
+		rows = append(rows, r)
+		if r%30 == 0 && r != 500 {
+			hot.cached[key(r)] = true
+			cached++
+		}
+	}
+	hot.pinned[key(500)] = true
+	p, st, pusher := newTestPrefetcher(t, m, hot, DefaultConfig(4))
+	b := NewBarrier()
+	p.Submit(hints.Prefill, m.Layers[0], rows, b)
+	s, err := b.Status(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := uint64(len(rows) - cached - 1); pusher.pages.Load() != want {
+		t.Fatalf("pushed %d pages, want %d (not the %d cached, not the pinned one)", pusher.pages.Load(), want, cached)
+	}
+	if s.Pages != uint64(len(rows)) || s.Resident != uint64(len(rows)-1) || s.Pinned != 1 {
+		t.Fatalf("status %+v, want %d pages, %d resident (cached ones included), 1 pinned", s, len(rows), len(rows)-1)
+	}
+	if got := st.PrefetchPagesCached.Load(); got != uint64(cached) {
+		t.Fatalf("prefetch_pages_cached %d, want %d", got, cached)
+	}
+	if sigs := hot.heard(key(30)); !slices.Equal(sigs, []cache.Signal{cache.SignalPrefill}) {
+		t.Fatalf("the tier heard of a cached page as %v, want the prefill hint", sigs)
+	}
+	// 100 runs 10 pages apart, within spanGap: one lookup for them all.
+	if hot.lookups != 1 {
+		t.Fatalf("%d residency lookups for runs %d pages apart, want 1", hot.lookups, 10)
+	}
+	p.Faulted([]cache.PageKey{key(30)}) // evicted, then read
+	if got := st.Layer(m.Layers[0]).Refaulted.Load(); got != 1 {
+		t.Fatalf("refaulted %d after a fault on a cached hinted page, want 1", got)
+	}
+
+	// Decode work looks nothing up: its cached pages are fetched.
+	before, pushed := hot.lookups, pusher.pages.Load()
+	b2 := NewBarrier()
+	p.Submit(hints.Decode, m.Layers[0], rows, b2)
+	if err := b2.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if hot.lookups != before || pusher.pages.Load()-pushed != uint64(len(rows)-1) {
+		t.Fatalf("decode: %d lookups, %d pages pushed; want none and %d (all but the pinned one)", hot.lookups-before, pusher.pages.Load()-pushed, len(rows)-1)
+	}
+
+	// All pinned: no lookup at all.
+	for _, r := range rows {
+		hot.pinned[key(r)] = true
+	}
+	b3 := NewBarrier()
+	p.Submit(hints.Prefill, m.Layers[0], rows, b3)
+	if err := b3.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if hot.lookups != before {
+		t.Fatalf("%d residency lookups for pinned pages, want none", hot.lookups-before)
+	}
+}
+
+// The residency window answers for exactly the pages it looked up: a long
+// run takes a lookup per maxSpan pages, runs farther apart than spanGap one
+// each, and every page's answer is its own.
+func TestResidencyWindows(t *testing.T) {
+	hot := &recordingTier{cached: map[cache.PageKey]bool{}}
+	for _, pg := range []uint64{5, 4100, 9999, 20000, 20100} {
+		hot.cached[cache.PageKey{Table: 1, Page: pg}] = true
+	}
+	runs := []pageRun{
+		{table: 1, first: 0, n: 10000},               // three windows
+		{table: 1, first: 20000, n: 1},               // far: a window of its own...
+		{table: 1, first: 20000 + spanGap - 1, n: 2}, // ...that reaches this one
+		{table: 1, first: 20100, n: 1},               // past the gap: another
+		{table: 2, first: 20100, n: 1},               // another table: another
+	}
+	var w residency
+	for i, r := range runs {
+		for pg := r.first; pg < r.first+r.n; pg++ {
+			want := hot.cached[cache.PageKey{Table: r.table, Page: pg}]
+			if got := w.present(hot, runs, i, pg); got != want {
+				t.Fatalf("table %d page %d: present %v, want %v", r.table, pg, got, want)
+			}
+		}
+	}
+	if hot.lookups != 6 {
+		t.Fatalf("%d lookups, want 6 (3 windows of the long run, 3 of the rest)", hot.lookups)
 	}
 }

@@ -241,6 +241,13 @@ func (c *core) pinned(b *Barrier, n uint64) {
 	b.status.Pinned += n
 }
 
+// cached counts n pages of b's submission that were in the page cache
+// already: resident, nothing to fetch.
+func (c *core) cached(b *Barrier, n uint64) {
+	b.status.Pages += n
+	b.status.Resident += n
+}
+
 // pageRun is pages [first, first+n) of table: what a submission names.
 type pageRun struct {
 	table uint32

@@ -15,6 +15,7 @@ import (
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/hints"
+	"github.com/engramfs/engramfs/hints/client"
 	"github.com/engramfs/engramfs/internal/pagecache"
 	"github.com/engramfs/engramfs/internal/testenv"
 )
@@ -296,4 +297,41 @@ func TestSeveralProcessesHintAtOnce(t *testing.T) {
 	}
 	checkHintedResident(t, d, 0, maps, rows, drops, "rows hinted by several processes")
 	gatherFromMemory(t, d, maps, rows, "rows hinted by several processes")
+}
+
+// A prefill hint for rows a reader has already brought into the page cache
+// reads and stores nothing, as fadvise(WILLNEED) would: the barrier counts
+// them resident and prefetch_pages_cached counts them. (--cache-size 0: with
+// a tier, the faulted pages would be pinned, and skipped as pinned.)
+func TestPrefillHintOfCachedRowsReadsNothing(t *testing.T) {
+	spec := geometries()["4096B"]
+	d := Mount(t, Synth(t, spec), "--cache-size", "0")
+	m := Model(t, d.ModelDir)
+	maps := layerMaps(t, d, m, 0)
+	rows := randomRows(rand.New(rand.NewPCG(21, 22)), 40, spec.Rows)
+	h, err := client.Open(d.Mountpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	untilNoOutsideDrop(t, "hinted cached rows", func() error {
+		gatherAndCheck(t, d, maps, rows) // faults them in
+		if err := allResident(t, maps, rows); err != nil {
+			return err
+		}
+		before := d.Stats(t)
+		if err := h.Prefill(0, rows); err != nil {
+			t.Fatal(err)
+		}
+		st, err := h.Barrier()
+		if err != nil {
+			t.Fatal(err)
+		}
+		after := d.Stats(t)
+		reads, stored, cached := after.BackingReads-before.BackingReads, after.PrefetchPagesStored-before.PrefetchPagesStored, after.PrefetchPagesCached-before.PrefetchPagesCached
+		if reads != 0 || stored != 0 || cached != st.Pages || st.Resident != st.Pages || st.Pages == 0 {
+			return fmt.Errorf("prefill hint of %d cached pages: %d backing reads, %d stored, %d counted cached, status %+v; want 0, 0, all, all resident", st.Pages, reads, stored, cached, st)
+		}
+		return nil
+	})
 }

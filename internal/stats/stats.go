@@ -62,6 +62,7 @@ type Counters struct {
 	// Prefetch (prefetch).
 	PrefetchPagesQueued  atomic.Uint64
 	PrefetchPagesStored  atomic.Uint64
+	PrefetchPagesCached  atomic.Uint64
 	PrefetchPagesDropped atomic.Uint64
 	PrefetchStoreErrors  atomic.Uint64
 	PrefetchLate         atomic.Uint64
@@ -164,6 +165,7 @@ type Snapshot struct {
 
 	PrefetchPagesQueued  uint64 `json:"prefetch_pages_queued"`
 	PrefetchPagesStored  uint64 `json:"prefetch_pages_stored"`
+	PrefetchPagesCached  uint64 `json:"prefetch_pages_cached"`
 	PrefetchPagesDropped uint64 `json:"prefetch_pages_dropped"`
 	PrefetchStoreErrors  uint64 `json:"prefetch_store_errors"`
 	PrefetchLate         uint64 `json:"prefetch_late"`
@@ -224,6 +226,7 @@ func (c *Counters) Snapshot() Snapshot {
 
 		PrefetchPagesQueued:  c.PrefetchPagesQueued.Load(),
 		PrefetchPagesStored:  c.PrefetchPagesStored.Load(),
+		PrefetchPagesCached:  c.PrefetchPagesCached.Load(),
 		PrefetchPagesDropped: c.PrefetchPagesDropped.Load(),
 		PrefetchStoreErrors:  c.PrefetchStoreErrors.Load(),
 		PrefetchLate:         c.PrefetchLate.Load(),
