@@ -441,6 +441,10 @@ func (r *Report) WriteTable(w io.Writer) {
 			pf := p.Prefill.Prefetch
 			fmt.Fprintf(w, "%s prefetch: %s a chunk p50 (%s max) for compute %v: %s pages/s, %s backing reads/s; done within compute for %d of %d chunks",
 				p.Label, fmtDur(pf.Times.P50), fmtDur(pf.Times.Max), r.Settings.Compute, fmtCount(pf.PagesPerSec), fmtCount(pf.ReadsPerSec), pf.WithinCompute, pf.Times.N)
+			if st := p.Prefill.Stats; st != nil && st.PrefetchLate+st.PrefetchPagesCached > 0 {
+				fmt.Fprintf(w, "; %s pages late (%s of them taken from the prefetch's read before its store), %s cached already (not read)",
+					fmtCount(float64(st.PrefetchLate)), fmtCount(float64(st.PrefetchLateServed)), fmtCount(float64(st.PrefetchPagesCached)))
+			}
 			if pf.Failed > 0 {
 				fmt.Fprintf(w, "; %d barriers FAILED", pf.Failed)
 			}

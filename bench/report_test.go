@@ -52,6 +52,7 @@ func fakeReport() *Report {
 	h.Decode.Barrier, h.Decode.BarrierHow = BarrierRead, "read(2) on the control handle"
 	h.Prefill.Barrier, h.Prefill.BarrierHow = BarrierRead, "read(2) on the control handle"
 	h.Prefill.Prefetch = &Prefetch{Times: Summary{N: 2, P50: 600 * time.Millisecond}, ReadsPerSec: 80_000, PagesPerSec: 95_000, WithinCompute: 2}
+	h.Prefill.Stats = &stats.Snapshot{PrefetchLate: 3000, PrefetchLateServed: 2000, PrefetchPagesCached: 500}
 	h.PrefetchAlone = &Phase{Times: Summary{N: 1, P50: 500 * time.Millisecond, Max: 500 * time.Millisecond}, Rows: 30_000, DaemonCPUPerPage: 14, DaemonSwitchesPerPage: 0.2,
 		Prefetch: &Prefetch{Times: Summary{N: 1, P50: 500 * time.Millisecond, Max: 500 * time.Millisecond}, Pages: 35_000, Reads: 36_000, PagesPerSec: 70_000, ReadsPerSec: 72_000}}
 	g.Paths = append(g.Paths, &PathResult{Path: PathMmapRA, Label: PathMmapRA.Label(), Skipped: "not asked for"})
@@ -210,7 +211,8 @@ func TestWriteTableAndJSON(t *testing.T) {
 	for _, s := range []string{"2 mmap", "5 engramfs+hints", "4' engramfs+willneed", "warm page cache", "skipped: not asked for", "MISSED", "10.0ms", "60M", "QD64 100K IOPS",
 		"cpu µs/page", "io_uring", "pread", "fio floor (4 KiB random reads, io_uring, QD64, O_DIRECT, 5 s on model-00001.safetensors): 60K IOPS, 10.0 µs of CPU a read",
 		"5 engramfs+hints barrier: read(2) on the control handle", "(bound ≥ 0.90)", "(bound ≤ 0.60)",
-		"5 engramfs+hints prefetch alone (one chunk's hints, cold cache, no gather): 35K pages in 500ms: 70K pages/s, 72K backing reads/s; daemon 14.0 µs and 0.20 context switches a backing page"} {
+		"5 engramfs+hints prefetch alone (one chunk's hints, cold cache, no gather): 35K pages in 500ms: 70K pages/s, 72K backing reads/s; daemon 14.0 µs and 0.20 context switches a backing page",
+		"done within compute for 2 of 2 chunks; 3.0K pages late (2.0K of them taken from the prefetch's read before its store), 500 cached already (not read)"} {
 		if !strings.Contains(out, s) {
 			t.Errorf("table lacks %q:\n%s", s, out)
 		}
