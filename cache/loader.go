@@ -163,9 +163,9 @@ func (l *Loader) Fetch(runs []Run, origin Origin, done FetchDone) {
 // their read, until Release says their store into the page cache has
 // landed. A fault in that window (a reader that got there before the push)
 // is answered with them at once; without the hold it would read the page
-// from backing again, and did for a third of a prefill chunk's late pages
-// (measured: docs/design.md, "A fault that got there first"). The caller
-// must Release every run it fetched, whatever became of it.
+// from backing again, and did for ~35K of the bench's prefill chunk pair's
+// ~110K pages (docs/design.md, Walk 2 step 8). The caller must Release
+// every run it fetched, whatever became of it.
 //
 // LOCKS_EXCLUDED(l.mu)
 func (l *Loader) FetchHeld(runs []Run, origin Origin, done FetchDone) {
@@ -189,11 +189,12 @@ func (l *Loader) Release(runs ...Run) {
 	}
 }
 
-// fetch is Fetch; hold: FetchHeld; inline: run this call's own backing reads on the calling
-// goroutine when the backing can (a fault's reader is blocked anyway, and a
-// hand-off to another thread costs more than the read on these VMs), unless
-// maxInline faults already do: then a thread blocked per read costs more
-// than the hand-off, and the engine submits them together.
+// fetch is Fetch, and FetchHeld with hold. inline: run this call's own
+// backing reads on the calling goroutine when the backing can (a fault's
+// reader is blocked anyway, and a hand-off to another thread costs more than
+// the read on these VMs), unless maxInline faults already do: then a thread
+// blocked per read costs more than the hand-off, and the engine submits them
+// together.
 func (l *Loader) fetch(runs []Run, origin Origin, inline, hold bool, done FetchDone) {
 	var reads []*backing.TableRead
 	type failure struct {
