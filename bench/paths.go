@@ -488,10 +488,7 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *daemonproc.Daemo
 	ph.RowsPerSec = float64(rows) / ph.Times.Sum.Seconds()
 	if pf != nil {
 		collect()
-		pf.Times = Summarize(pfTimes)
-		if s := pf.Times.Sum.Seconds(); s > 0 {
-			pf.PagesPerSec, pf.ReadsPerSec = float64(pf.Pages)/s, float64(pf.Reads)/s
-		}
+		pf.setTimes(pfTimes)
 		ph.Prefetch = pf
 	}
 	if warm != nil {
@@ -524,8 +521,8 @@ func (r *geomRun) prefetchAloneBody(d *daemonproc.Daemon, ph *Phase) error {
 	for _, rows := range r.alone {
 		ph.Rows += int64(len(rows))
 	}
-	pf := &Prefetch{Times: Summarize([]time.Duration{rec.dur}), Pages: rec.pages, Reads: rec.reads}
-	pf.PagesPerSec, pf.ReadsPerSec = float64(pf.Pages)/rec.dur.Seconds(), float64(pf.Reads)/rec.dur.Seconds()
+	pf := &Prefetch{Pages: rec.pages, Reads: rec.reads}
+	pf.setTimes([]time.Duration{rec.dur})
 	ph.Times, ph.Prefetch = pf.Times, pf
 	return nil
 }

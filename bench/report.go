@@ -141,6 +141,14 @@ type Prefetch struct {
 	Failed        int     `json:"chunks_failed"`         // barriers that returned an error
 }
 
+// setTimes sets the chunks' times and the rates over their sum.
+func (pf *Prefetch) setTimes(times []time.Duration) {
+	pf.Times = Summarize(times)
+	if s := pf.Times.Sum.Seconds(); s > 0 {
+		pf.PagesPerSec, pf.ReadsPerSec = float64(pf.Pages)/s, float64(pf.Reads)/s
+	}
+}
+
 // Ratios compare a path with path 2 (mmap) and with the disk limit; 0 means
 // not measured. Every ratio is time over time: below 1 is faster.
 type Ratios struct {
