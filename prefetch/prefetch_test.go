@@ -153,7 +153,12 @@ func (h heldReader) Submit(reads ...*backing.TableRead) {
 type gatedPusher struct {
 	countingPusher
 	gate chan struct{}
+	once sync.Once
 }
+
+// open lets the stores through (the page's FUSE read has been answered);
+// later calls do nothing.
+func (g *gatedPusher) open() { g.once.Do(func() { close(g.gate) }) }
 
 func (g *gatedPusher) Store(table uint32, off int64, data []byte) error {
 	<-g.gate
@@ -173,10 +178,8 @@ func TestFaultOnAPrefetchInFlightIsLateOnce(t *testing.T) {
 	pusher := &gatedPusher{gate: make(chan struct{})}
 	tier := &recordingTier{admitted: map[cache.PageKey]cache.Signal{}, pinned: map[cache.PageKey]bool{}}
 	p := New(Config{InflightPages: 4, PrefillQueuePages: 1000}, m, loader, pusher, tier, st, nil)
-	var reply sync.Once
-	replied := func() { reply.Do(func() { close(pusher.gate) }) }
 	defer p.Close()
-	defer replied() // before Close, which waits for the pushers
+	defer pusher.open() // before Close, which waits for the pushers
 	tb := m.Tables[0]
 	first, _ := tb.RowPages(10)
 	b := NewBarrier()
@@ -207,7 +210,7 @@ func TestFaultOnAPrefetchInFlightIsLateOnce(t *testing.T) {
 	if late := st.PrefetchLate.Load(); late != 1 {
 		t.Fatalf("prefetch_late %d after two faults on a page in flight, want 1 (a page is late once)", late)
 	}
-	replied() // the reply: the push lands
+	pusher.open() // the reply: the push lands
 	if err := b.Wait(t.Context()); err != nil {
 		t.Fatal(err)
 	}
@@ -545,10 +548,8 @@ func TestFaultBeforeThePushLandsSharesTheRead(t *testing.T) {
 	loader := cache.NewLoader(cr, m.Tables, st)
 	pusher := &enteredPusher{gatedPusher: gatedPusher{gate: make(chan struct{})}, entered: make(chan struct{}, 1)}
 	p := New(Config{InflightPages: 4, PrefillQueuePages: 1000}, m, loader, pusher, nil, st, nil)
-	var once sync.Once
-	landed := func() { once.Do(func() { close(pusher.gate) }) }
 	defer p.Close()
-	defer landed() // before Close, which waits for the pushers
+	defer pusher.open() // before Close, which waits for the pushers
 	tb := m.Tables[0]
 	first, _ := tb.RowPages(10)
 	b := NewBarrier()
@@ -568,7 +569,7 @@ func TestFaultBeforeThePushLandsSharesTheRead(t *testing.T) {
 	if late := st.PrefetchLate.Load(); late != 1 {
 		t.Fatalf("prefetch_late %d, want 1", late)
 	}
-	landed()
+	pusher.open() // the store lands
 	if err := b.Wait(t.Context()); err != nil {
 		t.Fatal(err)
 	}
