@@ -481,34 +481,30 @@ func TestLoaderHeldPagesServeFaultsUntilReleased(t *testing.T) {
 	fb := newFakeBacking()
 	st := &stats.Counters{}
 	l := NewLoader(fb, []*backing.Table{tb}, st)
+	// load faults pages [first, first+n) in and checks their bytes.
+	load := func(first, n uint64) {
+		t.Helper()
+		pages, err := l.Load(0, first, n, OriginFault)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, p := range pages {
+			wantPage(t, tb, first+uint64(i), p)
+		}
+	}
 	fetchHeldAll(t, l, Run{First: 3, N: 4}) // pages 3-6, one read
 	if r := fb.readCount(); r != 1 {
 		t.Fatalf("%d backing reads for one run, want 1", r)
 	}
-	for _, pg := range []uint64{3, 6} {
-		pages, err := l.Load(0, pg, 1, OriginFault)
-		if err != nil {
-			t.Fatal(err)
-		}
-		wantPage(t, tb, pg, pages[0])
-	}
-	// A fault spanning a held page and one nobody read reads only the other.
-	pages, err := l.Load(0, 6, 2, OriginFault)
-	if err != nil {
-		t.Fatal(err)
-	}
-	wantPage(t, tb, 6, pages[0])
-	wantPage(t, tb, 7, pages[1])
+	load(3, 1)
+	load(6, 1)
+	load(6, 2) // a held page and one nobody read: reads only the other
 	if r, served := fb.readCount(), st.PrefetchLateServed.Load(); r != 2 || served != 3 {
 		t.Fatalf("%d backing reads and %d pages served from the hold, want 2 (the run, page 7) and 3", r, served)
 	}
 	l.Release(Run{First: 3, N: 2}) // pages 3 and 4
-	if _, err := l.Load(0, 3, 1, OriginFault); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := l.Load(0, 5, 1, OriginFault); err != nil {
-		t.Fatal(err)
-	}
+	load(3, 1)
+	load(5, 1)
 	if r := fb.readCount(); r != 3 {
 		t.Fatalf("%d backing reads, want 3: a released page is read again, a held one is not", r)
 	}
@@ -520,12 +516,8 @@ func TestLoaderHeldPagesServeFaultsUntilReleased(t *testing.T) {
 		t.Fatalf("%d pages still held after every run was released", left)
 	}
 	// A plain Fetch (a fault's) holds nothing.
-	if _, err := l.Load(0, 9, 1, OriginFault); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := l.Load(0, 9, 1, OriginFault); err != nil {
-		t.Fatal(err)
-	}
+	load(9, 1)
+	load(9, 1)
 	if r := fb.readCount(); r != 5 {
 		t.Fatalf("%d backing reads, want 5: a fault's page is not held", r)
 	}
