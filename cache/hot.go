@@ -44,6 +44,7 @@ type HotCache struct {
 	closed   bool       // GUARDED_BY(mu)
 	flushing int        // GUARDED_BY(mu); Flush calls waiting: the worker does not gather
 	hinted   bool       // GUARDED_BY(mu); the queue holds changes a hint (not a fault) made: gather briefly
+	queuedAt time.Time  // GUARDED_BY(mu); when the queue's oldest page was queued (the batch's delay runs from it)
 	// How long the worker gathers a batch: pinDelay when the queue holds a
 	// hint's changes, faultPinDelay when only faults'. Tests change them.
 	pinDelay, faultPinDelay time.Duration
@@ -160,11 +161,15 @@ func (h *HotCache) admit(keys []PageKey, sig Signal) {
 		h.queue = append(h.queue, pins...)
 		if len(c.Unpin)+len(pins) > 0 {
 			h.enqueued++
+			if wasEmpty {
+				h.queuedAt = time.Now()
+			}
 			if sig != SignalFault {
 				h.hinted = true
 			}
-			// The worker gathers a batch (see work): it hears of the
-			// first page of one, and of a full one.
+			// The worker gathers a batch (see gather): it hears of
+			// the first page of one, of a full one, and of a hint's
+			// first pages (which shorten the delay).
 			if wasEmpty || len(h.queue) >= pinBatch || sig != SignalFault && !wasHinted {
 				h.wake()
 			}
@@ -267,8 +272,11 @@ func (h *HotCache) work() {
 			return
 		case <-h.kick:
 		}
-		h.gather()
-		for h.applyQueued() {
+		// Pages queued while a batch was being applied gather too:
+		// taking them at once pinned a lone page per round, and left a
+		// batch split across two rounds short of full, waiting out its
+		// whole delay (TestHotCacheGathersPins' flake in CI).
+		for h.gather() && h.applyQueued() {
 		}
 	}
 }
@@ -290,25 +298,36 @@ const (
 	faultPinDelay = 20 * time.Millisecond
 )
 
-// gather waits until the queue holds pinBatch pages, Flush waits, the delay
-// passed, or the cache stops.
-func (h *HotCache) gather() {
-	h.mu.Lock()
-	ready := len(h.queue) >= pinBatch || h.flushing > 0 || len(h.queue) == 0
-	delay := h.faultPinDelay
-	if h.hinted {
-		delay = h.pinDelay
-	}
-	h.mu.Unlock()
-	if ready {
-		return
-	}
-	t := time.NewTimer(delay)
-	defer t.Stop()
-	select {
-	case <-h.kick: // a full batch, a Flush, or a hint's pages
-	case <-t.C:
-	case <-h.stop:
+// gather waits until the queue holds pinBatch pages, Flush waits, or the
+// delay since the queue's oldest page was queued has passed; false when the
+// cache stops. A wake-up is only a reason to look again: one left over from
+// a page the worker has already taken must not end a new batch early.
+func (h *HotCache) gather() bool {
+	var t *time.Timer
+	for {
+		h.mu.Lock()
+		ready := len(h.queue) >= pinBatch || h.flushing > 0 || len(h.queue) == 0
+		delay := h.faultPinDelay
+		if h.hinted {
+			delay = h.pinDelay
+		}
+		wait := time.Until(h.queuedAt.Add(delay))
+		h.mu.Unlock()
+		if ready || wait <= 0 {
+			return true
+		}
+		if t == nil {
+			t = time.NewTimer(wait)
+			defer t.Stop()
+		} else {
+			t.Reset(wait)
+		}
+		select {
+		case <-h.kick: // a full batch, a Flush, or a hint's pages: look again
+		case <-t.C:
+		case <-h.stop:
+			return false
+		}
 	}
 }
 
