@@ -51,14 +51,34 @@ func untilNoOutsideDrop(t testing.TB, what string, attempt func() error) {
 }
 
 // checkHintedResident checks that the pages of rows are resident in maps
-// (rows of layer, hinted and waited for since dropCount read drops). If
-// they are not and the page cache was dropped from outside since, that
-// check cannot be judged: the rows are hinted again, as one decode frame
-// and its barrier on a fresh control handle, and checked again
-// (untilNoOutsideDrop). With no outside drop a miss fails the test at once.
+// (rows of layer, hinted and waited for since dropCount read drops).
 func checkHintedResident(t testing.TB, d *Daemon, layer int, maps map[*backing.Table][]byte, rows []uint64, drops uint64, what string) {
 	t.Helper()
-	err := allResident(t, maps, rows)
+	checkHinted(t, d, layer, rows, drops, what, func() error { return allResident(t, maps, rows) })
+}
+
+// checkHintedServed checks, as checkHintedResident, that the pages of rows
+// are resident, and then that gathering them gives their bytes without
+// reaching FUSE.
+func checkHintedServed(t testing.TB, d *Daemon, layer int, maps map[*backing.Table][]byte, rows []uint64, drops uint64, what string) {
+	t.Helper()
+	checkHinted(t, d, layer, rows, drops, what, func() error {
+		if err := allResident(t, maps, rows); err != nil {
+			return err
+		}
+		return gatherFromMemoryErr(t, d, maps, rows)
+	})
+}
+
+// checkHinted runs check on rows of layer, hinted and waited for since
+// dropCount read drops. If it fails and the page cache was dropped from
+// outside since, that check cannot be judged: the rows are hinted again, as
+// decode frames and their barrier on a fresh control handle, and checked
+// again (untilNoOutsideDrop). With no outside drop a failure fails the test
+// at once.
+func checkHinted(t testing.TB, d *Daemon, layer int, rows []uint64, drops uint64, what string, check func() error) {
+	t.Helper()
+	err := check()
 	if err == nil {
 		return
 	}
@@ -80,6 +100,6 @@ func checkHintedResident(t testing.TB, d *Daemon, layer int, maps map[*backing.T
 		if err := ctl.Sync(); err != nil {
 			t.Fatalf("barrier: %v", err)
 		}
-		return allResident(t, maps, rows)
+		return check()
 	})
 }
