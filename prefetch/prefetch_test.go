@@ -176,7 +176,7 @@ func TestFaultOnAPrefetchInFlightIsLateOnce(t *testing.T) {
 	hr := heldReader{submitted: make(chan *backing.TableRead, 16), release: make(chan struct{})}
 	loader := cache.NewLoader(hr, m.Tables, st)
 	pusher := &gatedPusher{gate: make(chan struct{})}
-	tier := &recordingTier{admitted: map[cache.PageKey]cache.Signal{}, pinned: map[cache.PageKey]bool{}}
+	tier := &recordingTier{pinned: map[cache.PageKey]bool{}}
 	p := New(Config{InflightPages: 4, PrefillQueuePages: 1000}, m, loader, pusher, tier, st, nil)
 	defer p.Close()
 	defer pusher.open() // before Close, which waits for the pushers
@@ -243,7 +243,7 @@ func TestOwnPopulateFaultsAreNoDemand(t *testing.T) {
 	st := &stats.Counters{}
 	st.SetLayers(m.Layers)
 	br := blockingReader{release: make(chan struct{})}
-	tier := &ownFaultTier{recordingTier: recordingTier{admitted: map[cache.PageKey]cache.Signal{}, pinned: map[cache.PageKey]bool{}}}
+	tier := &ownFaultTier{recordingTier: recordingTier{pinned: map[cache.PageKey]bool{}}}
 	p := New(Config{InflightPages: 1, PrefillQueuePages: 1000}, m, cache.NewLoader(br, m.Tables, st), &confirmingPusher{}, tier, st, nil)
 	defer p.Close()
 	b := NewBarrier()
