@@ -193,7 +193,7 @@ var Fields = []Field{
 		"Prefetched pages whose push into the page cache (NOTIFY_STORE) failed: the mount was not serving (before Serve or after Close) or the kernel refused the store; they settle as failed and are read on first touch instead.",
 		"prefetch_store_errors_total"},
 	{"prefetch_late", Counter, "pages", GroupPrefill, "hinted pages a fault read before the push",
-		"Hinted pages that a FUSE read asked for before their push landed (still queued, or their backing read in flight): the hint came too late.",
+		"Hinted pages that a FUSE read asked for before their push landed (still queued, being read, or read and waiting for the push; the last are prefetch_late_served): the hint came too late.",
 		"prefetch_late_total"},
 	{"prefetch_late_served", Counter, "pages", GroupPrefill, "late pages faults got from the prefetch's read",
 		"Pages a FUSE read got from a prefetch whose backing read had finished but whose push had not landed yet: served from that read's data, not read from backing again.",
