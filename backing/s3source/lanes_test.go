@@ -93,7 +93,7 @@ func TestPrefetchNeverHedged(t *testing.T) {
 		}
 	}
 	if src.lat.delay(latencyQuiet) == 0 {
-		t.Fatal("no p95 after 200 GETs")
+		t.Fatal("no p97 after 200 GETs")
 	}
 	// A prefetch GET whose first GET stalls until released, and a demand
 	// GET, submitted after it, whose first GET stalls forever: only a hedge

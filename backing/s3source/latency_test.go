@@ -2,6 +2,7 @@ package s3source
 
 import (
 	"context"
+	"math/rand/v2"
 	"testing"
 	"time"
 )
@@ -26,9 +27,9 @@ func TestLatencyWarmupAndFloor(t *testing.T) {
 	}
 }
 
-// A lone GET is hedged after the p95 of lone GETs, not after that of the
+// A lone GET is hedged after the p97 of lone GETs, not after that of the
 // crowded GETs of a decode step, however many more of those there are; a
-// 1% tail does not move the p95.
+// 1% tail does not move the p97.
 func TestLatencyClassesApart(t *testing.T) {
 	l := &latency{floor: time.Millisecond}
 	now := time.Unix(1000, 0)
@@ -149,5 +150,19 @@ func TestLatencyFewSamplesIgnoreOneSlow(t *testing.T) {
 	feed(l, latencyQuiet, 2*latencyEvery+3, 21*time.Millisecond, now) // recomputed at 2×latencyEvery samples
 	if d := l.delay(latencyQuiet); d != 21*time.Millisecond {
 		t.Errorf("delay %v after 1 slow GET and %d fast ones, want 21ms", d, 2*latencyEvery-1)
+	}
+}
+
+// The delay is the p97 of the window, not the p95 nor the median: of 200
+// samples of 1..200 ms the p97 is 195 ms (the p95 would be 191 ms).
+func TestLatencyIsTheP97(t *testing.T) {
+	l := &latency{floor: time.Millisecond}
+	now := time.Unix(1000, 0)
+	rng := rand.New(rand.NewPCG(3, 4))
+	for _, i := range rng.Perm(200) {
+		l.add(latencyQuiet, time.Duration(i+1)*time.Millisecond, now)
+	}
+	if d := l.delay(latencyQuiet); d != 195*time.Millisecond {
+		t.Errorf("delay %v for samples of 1..200 ms, want their p97, 195ms", d)
 	}
 }

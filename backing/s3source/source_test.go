@@ -353,7 +353,7 @@ func TestMergesNearbyReads(t *testing.T) {
 	}
 }
 
-// A demand GET with no first byte after the p95 gets a second GET, which
+// A demand GET with no first byte after the p97 gets a second GET, which
 // answers; hedges stay within 5% of GETs.
 func TestHedgesSlowGETs(t *testing.T) {
 	dir := synth(t)
@@ -386,7 +386,7 @@ func TestHedgesSlowGETs(t *testing.T) {
 		}
 	}
 	// At least the two stalled GETs were hedged (a loaded machine may push
-	// a fast GET past the p95 too: no timing is asserted).
+	// a fast GET past the p97 too: no timing is asserted).
 	if st.S3Hedges.Load() < 2 {
 		t.Errorf("%d hedges, want at least 2", st.S3Hedges.Load())
 	}
@@ -413,6 +413,63 @@ func TestHedgesSlowGETs(t *testing.T) {
 	}
 	if hedges == before {
 		t.Errorf("no hedge among 50 GETs that all stall: the budget is never used")
+	}
+}
+
+// quietSamples returns the lone-GET class's samples, oldest first.
+func quietSamples(src *Source) []time.Duration {
+	src.lat.mu.Lock()
+	defer src.lat.mu.Unlock()
+	r := &src.lat.class[latencyQuiet]
+	var out []time.Duration
+	for i := min(r.n, latencyWindow); i >= 1; i-- {
+		out = append(out, r.d[(r.n-i)%latencyWindow])
+	}
+	return out
+}
+
+// A primary GET stopped by its winning hedge is a sample of the time it
+// waited (at least the hedge delay), not left out: left out, a store whose
+// slow GETs are always hedged would keep only its fast answers in the
+// window, the p97 would sink toward the median and hedges would stop
+// paying off when they are needed most.
+func TestHedgedPrimaryCountsItsWait(t *testing.T) {
+	dir := synth(t)
+	cfg := testConfig()
+	cfg.AttemptTimeout = time.Hour
+	src, f, _ := newFakeSource(t, dir, cfg)
+	var stall sync.Map // getReq -> true: its first GET waits until canceled
+	f.hold = func(g getReq, nth int) <-chan struct{} {
+		if _, ok := stall.Load(g); ok && nth == 0 {
+			return make(chan struct{}) // never closed: only a cancel ends it
+		}
+		return nil
+	}
+	want, sf := shardBytes(t, dir, src)
+	// Enough lone demand GETs for an estimate and a hedge's credit.
+	for i := range 2 * latencyWarmup {
+		if _, errs := readPagesAs(t, sf, []int64{int64(i) * 4096}, 4096, true); errs[0] != nil {
+			t.Fatal(errs[0])
+		}
+	}
+	delay := src.lat.delay(latencyQuiet)
+	if delay == 0 {
+		t.Fatal("no hedge delay after the warm-up")
+	}
+	before := len(quietSamples(src))
+	off := int64(64 * 4096)
+	stall.Store(getReq{"m/" + sf.(*shard).name, off, 4096}, true)
+	data, errs := readPagesAs(t, sf, []int64{off}, 4096, true)
+	if errs[0] != nil || !bytes.Equal(data[0], want[off:off+4096]) {
+		t.Fatalf("stalled page: %v, or wrong bytes", errs[0])
+	}
+	samples := quietSamples(src)
+	if got := len(samples) - before; got != 2 {
+		t.Fatalf("%d samples for a hedged read, want 2: the hedge's first byte and the primary it stopped", got)
+	}
+	// The primary is sampled last: get returns once it has stopped.
+	if waited := samples[len(samples)-1]; waited < delay {
+		t.Errorf("the stopped primary counted %v, want at least the %v it waited before its hedge", waited, delay)
 	}
 }
 
