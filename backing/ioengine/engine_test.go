@@ -185,3 +185,104 @@ func TestUringRefillsBeforeCallbacks(t *testing.T) {
 		t.Errorf("when the first Done ran, %d reads had been written to the ring, want more than the %d of the first fill: the freed slots were not refilled before the callbacks", opsAtFirstDone, depth)
 	}
 }
+
+// TestUringSubmitRacingClose: a Submit that found the reaper asleep writes
+// the eventfd after it let go of the engine's lock. A Close meanwhile
+// (the reaper woken by a completion, so it does not need that write) must
+// not close the eventfd under it: its number would name the next file
+// opened, and the late write would put 8 bytes into that file. The
+// interleaving is forced with wakeHook, and the descriptor is reused on
+// purpose.
+func TestUringSubmitRacingClose(t *testing.T) {
+	e := newEngine(t, "io_uring", 2).(*uringEngine)
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(p[0])
+	defer unix.Close(p[1])
+	// A read in flight that completes when the test says so: its
+	// completion is what wakes the reaper after Close.
+	var inFlight sync.WaitGroup
+	inFlight.Add(1)
+	e.Submit(&Req{Fd: p[0], Buf: make([]byte, 1), Done: func(int, error) { inFlight.Done() }})
+	waitUntil(t, "the reaper asleep with the pipe read in flight", func() bool {
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		return !e.reaperAwake && !e.woken && e.inFlightLocked() == 1
+	})
+
+	reached, release := make(chan struct{}), make(chan struct{})
+	wakeHook = func() { close(reached); <-release }
+	t.Cleanup(func() { wakeHook = nil })
+	submitted := make(chan struct{})
+	go func() {
+		defer close(submitted)
+		e.Submit(&Req{Fd: p[0], Buf: make([]byte, 1), Done: func(int, error) {}})
+	}()
+	<-reached // decided to wake the reaper, not written yet
+	wakeHook = nil
+	closed := make(chan struct{})
+	go func() { e.Close(); close(closed) }()
+	waitUntil(t, "Close to fail the queue", func() bool {
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		return e.closed
+	})
+	if _, err := unix.Write(p[1], []byte{1}); err != nil {
+		t.Fatal(err)
+	}
+	wait(t, &inFlight)
+	select {
+	case <-closed:
+	case <-time.After(time.Minute):
+		t.Fatal("Close did not return within a minute of the last read's completion")
+	}
+	// Open eventfds until one gets the engine's eventfd's number, or a
+	// higher one (then that number is still taken).
+	efd := e.efd
+	var reused int = -1
+	var opened []int
+	for range 1024 {
+		fd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+		if err != nil {
+			t.Fatal(err)
+		}
+		opened = append(opened, fd)
+		if fd == efd {
+			reused = fd
+		}
+		if fd >= efd {
+			break
+		}
+	}
+	close(release)
+	<-submitted
+	if reused >= 0 {
+		var buf [8]byte
+		if n, err := unix.Read(reused, buf[:]); err == nil {
+			t.Errorf("Submit wrote %d bytes (%v) to descriptor %d after Close had closed the eventfd and the number named another file", n, buf, reused)
+		}
+	}
+	for _, fd := range opened {
+		unix.Close(fd)
+	}
+	if reused < 0 {
+		if _, err := unix.FcntlInt(uintptr(efd), unix.F_GETFD, 0); err != unix.EBADF {
+			t.Errorf("the eventfd is still open (%v) once the last Submit wrote it: leaked", err)
+		}
+	}
+}
+
+// waitUntil polls cond every millisecond for at most a minute (never a
+// timing assertion: the machine is shared).
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("waited a minute for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}

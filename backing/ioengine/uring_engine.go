@@ -55,6 +55,13 @@ type uringEngine struct {
 	reaperAwake bool // GUARDED_BY(mu)
 	woken       bool // GUARDED_BY(mu)
 	closed      bool // GUARDED_BY(mu)
+	// wakers counts the callers that decided, under mu, to write the
+	// eventfd and have not written it yet; the eventfd is closed only once
+	// the reaper is gone (reaperGone) and no writer is left. Closed earlier,
+	// its number could name another file by the time a late writer wrote,
+	// and 8 bytes would land in that file.
+	wakers     int  // GUARDED_BY(mu)
+	reaperGone bool // GUARDED_BY(mu)
 
 	reaperDone chan struct{}
 
@@ -111,29 +118,46 @@ func (e *uringEngine) Submit(reqs ...*Req) {
 	wake := e.wakeLocked()
 	e.mu.Unlock()
 	if wake {
+		if wakeHook != nil {
+			wakeHook()
+		}
 		e.wake()
 	}
 }
 
+// wakeHook, if set (by tests), runs in Submit after it decided to wake the
+// reaper and before it writes the eventfd.
+var wakeHook func()
+
 // wakeLocked reports whether the caller must wake the reaper: it sleeps and
 // no wake-up is on its way.
+// A caller told true must call wake once it has let go of mu.
 func (e *uringEngine) wakeLocked() bool {
 	if e.reaperAwake || e.woken {
 		return false
 	}
 	e.woken = true
+	e.wakers++
 	return true
 }
 
-// wake writes the eventfd the reaper polls.
+// wake writes the eventfd the reaper polls, then closes it if the engine
+// was closed meanwhile and this was the last writer.
 func (e *uringEngine) wake() {
 	one := [8]byte{1}
 	for {
 		_, err := unix.Write(e.efd, one[:])
 		if err != unix.EINTR {
 			// EAGAIN: the counter is full, so the poll has fired already.
-			return
+			break
 		}
+	}
+	e.mu.Lock()
+	e.wakers--
+	last := e.wakers == 0 && e.reaperGone
+	e.mu.Unlock()
+	if last {
+		_ = unix.Close(e.efd)
 	}
 }
 
@@ -176,7 +200,13 @@ func (e *uringEngine) Close() error {
 	// The reaper returns once the reads in flight are answered.
 	<-e.reaperDone
 	e.r.close()
-	_ = unix.Close(e.efd)
+	e.mu.Lock()
+	e.reaperGone = true
+	last := e.wakers == 0
+	e.mu.Unlock()
+	if last {
+		_ = unix.Close(e.efd)
+	} // else the last Submit still to write it closes it
 	return nil
 }
 
