@@ -18,7 +18,8 @@
 // eventfd it polls in the ring: a read's completion runs as task work on the
 // thread that submitted it, and only the reaper's thread is sure never to
 // sleep where task work cannot run (see uringEngine). The pread engine is the fallback where io_uring is refused
-// (kernel.io_uring_disabled, seccomp, old kernels): a fixed pool of
+// (kernel.io_uring_disabled, seccomp, old kernels; a ring that sets up but
+// cannot complete a NOP through io_uring_enter counts as refused): a fixed pool of
 // queueDepth workers, so a burst of requests never becomes a burst of
 // goroutines and blocked OS threads.
 //

@@ -64,8 +64,8 @@ func ParseKind(kind string) (string, error) {
 }
 
 // New returns an engine with at most queueDepth reads in flight.
-// kind: "auto" (io_uring where io_uring_setup works, else pread), "io_uring"
-// (error if unavailable), "pread". For "auto", the returned fallbackReason
+// kind: "auto" (io_uring where a ring sets up and a NOP goes through
+// io_uring_enter, else pread), "io_uring" (error if unavailable), "pread". For "auto", the returned fallbackReason
 // says why io_uring was not used ("" when it was).
 func New(kind string, queueDepth int) (e Engine, fallbackReason string, err error) {
 	k, err := ParseKind(kind)

@@ -29,6 +29,7 @@ const (
 
 	ioringEnterGetEvents = 1 << 0
 
+	ioringOpNop     = 0
 	ioringOpPollAdd = 6
 	ioringOpRead    = 22
 
@@ -282,6 +283,44 @@ func (r *ring) pushPollIn(fd int, userData uint64) {
 	atomic.StoreUint32(r.sqTail, r.localSQTail)
 }
 
+// pushNop writes a NOP SQE: it completes (with userData, res 0) as soon as
+// it is submitted.
+func (r *ring) pushNop(userData uint64) {
+	r.sqes[r.localSQTail&r.sqMask] = sqe{opcode: ioringOpNop, userData: userData}
+	r.localSQTail++
+	atomic.StoreUint32(r.sqTail, r.localSQTail)
+}
+
+// probe submits a NOP and waits for its completion: a ring that cannot do
+// that (io_uring_enter refused by a seccomp profile or a sandbox that
+// allows io_uring_setup) would take reads and never complete one. The NOP
+// completes inline, while it is submitted, so no completion work is left
+// pending on the calling thread, which need not be the reaper's.
+func (r *ring) probe() error {
+	r.pushNop(probeUserData)
+	// Not through enter: enterHook hears the submissions of reads.
+	if _, err := r.syscallEnter(1, 1, ioringEnterGetEvents); err != nil {
+		return enterError(err)
+	}
+	cqes := r.reap(nil)
+	if len(cqes) != 1 || cqes[0].userData != probeUserData || cqes[0].res != 0 {
+		return fmt.Errorf("io_uring: a NOP completed as %+v, want one completion with result 0", cqes)
+	}
+	return nil
+}
+
+// probeUserData marks the probe's NOP.
+const probeUserData = ^uint64(0) - 1
+
+// enterError says why io_uring_enter failed in words an operator can act on.
+func enterError(err error) error {
+	switch err {
+	case unix.EPERM, unix.EACCES, unix.ENOSYS:
+		return fmt.Errorf("io_uring_enter: %w (refused, though io_uring_setup was not: a seccomp filter or a sandbox's profile)", err)
+	}
+	return fmt.Errorf("io_uring_enter: %w", err)
+}
+
 // enterHook, if set (by tests, before any ring exists), hears every
 // io_uring_enter on the calling thread.
 var enterHook func(toSubmit uint32)
@@ -293,6 +332,11 @@ func (r *ring) enter(toSubmit, minComplete, flags uint32) (int, error) {
 	if enterHook != nil {
 		enterHook(toSubmit)
 	}
+	return r.syscallEnter(toSubmit, minComplete, flags)
+}
+
+// syscallEnter is the io_uring_enter(2) of enter.
+func (r *ring) syscallEnter(toSubmit, minComplete, flags uint32) (int, error) {
 	n, _, errno := unix.Syscall6(unix.SYS_IO_URING_ENTER, uintptr(r.fd), uintptr(toSubmit), uintptr(minComplete), uintptr(flags), 0, 0)
 	if errno != 0 {
 		return int(n), errno

@@ -1,6 +1,7 @@
 package ioengine
 
 import (
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -62,6 +63,9 @@ type uringEngine struct {
 	// and 8 bytes would land in that file.
 	wakers     int  // GUARDED_BY(mu)
 	reaperGone bool // GUARDED_BY(mu)
+	// failed is set when io_uring_enter fails for good: every read then
+	// fails with it, and the reaper is gone.
+	failed error // GUARDED_BY(mu)
 
 	reaperDone chan struct{}
 
@@ -78,6 +82,10 @@ func newUring(queueDepth int) (*uringEngine, error) {
 	// the CQ ring (twice the SQ ring) never overflows.
 	r, err := newRing(uint32(depth + 1))
 	if err != nil {
+		return nil, err
+	}
+	if err := r.probe(); err != nil {
+		r.close()
 		return nil, err
 	}
 	efd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
@@ -109,9 +117,13 @@ func (e *uringEngine) Stats() Stats {
 func (e *uringEngine) Submit(reqs ...*Req) {
 	checkReqs(reqs)
 	e.mu.Lock()
-	if e.closed {
+	if e.closed || e.failed != nil {
+		err := e.failed
 		e.mu.Unlock()
-		failAll(reqs, ErrClosed)
+		if err == nil {
+			err = ErrClosed
+		}
+		failAll(reqs, err)
 		return
 	}
 	e.queue.push(reqs...)
@@ -210,6 +222,41 @@ func (e *uringEngine) Close() error {
 	return nil
 }
 
+// fail stops the engine for good after io_uring_enter failed with err:
+// every read queued or in flight fails with it, and so does every later
+// Submit. A read in flight may still be in the kernel's hands, which may
+// yet write into its buffer: its request is kept (stranded) so that the
+// buffer is never freed and reused under such a write.
+func (e *uringEngine) fail(err error) {
+	err = fmt.Errorf("ioengine: the io_uring engine stopped: %w", err)
+	e.mu.Lock()
+	e.failed = err
+	reqs := e.queue.drain()
+	var inFlight []*Req
+	for i := range e.slots {
+		if r := e.slots[i].req; r != nil {
+			inFlight = append(inFlight, r)
+		}
+	}
+	e.mu.Unlock()
+	strand(inFlight)
+	failAll(append(inFlight, reqs...), err)
+}
+
+// stranded holds the requests of failed engines that the kernel may still
+// write into, for the life of the process: at most a queue depth each, and
+// an engine fails once.
+var stranded struct {
+	sync.Mutex
+	reqs [][]*Req
+}
+
+func strand(reqs []*Req) {
+	stranded.Lock()
+	stranded.reqs = append(stranded.reqs, reqs)
+	stranded.Unlock()
+}
+
 // inFlightLocked is how many slots hold a read.
 func (e *uringEngine) inFlightLocked() int { return len(e.slots) - len(e.free) }
 
@@ -248,8 +295,12 @@ func (e *uringEngine) reaper() {
 			// stay in the ring for the next enter.
 			time.Sleep(50 * time.Microsecond)
 		default:
-			// Not expected from a live ring; do not spin on it.
-			time.Sleep(time.Millisecond)
+			// EPERM from a seccomp filter, EBADF, EFAULT, EINVAL: nothing
+			// a retry changes. Retried every millisecond (as this loop once
+			// did), no read ever completed, a barrier never returned and
+			// Close waited forever.
+			e.fail(enterError(err))
+			return
 		}
 		// Whatever completed is in the CQ ring whatever enter returned.
 

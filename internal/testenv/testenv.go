@@ -53,6 +53,21 @@ func Binary(t testing.TB) string { return Command(t, "engramfs") }
 // beside it.
 func Command(t testing.TB, name string) string {
 	t.Helper()
+	return build(t, name, "github.com/engramfs/engramfs/cmd/"+name)
+}
+
+// Refusing is a daemonproc wrapper that runs the daemon with the system
+// calls of spec refused by a seccomp filter, as a sandbox's profile would
+// refuse them: "io_uring_enter" (EPERM), or a list with errnos,
+// "io_uring_setup=ENOSYS,io_uring_enter" (see internal/testenv/seccompexec).
+func Refusing(t testing.TB, spec string) []string {
+	t.Helper()
+	return []string{build(t, "seccompexec", "github.com/engramfs/engramfs/internal/testenv/seccompexec"), spec}
+}
+
+// build builds the main package pkg once per test run as binDir/name.
+func build(t testing.TB, name, pkg string) string {
+	t.Helper()
 	buildMu.Lock()
 	defer buildMu.Unlock()
 	if binDir == "" {
@@ -69,7 +84,7 @@ func Command(t testing.TB, name string) string {
 		if RaceEnabled {
 			args = append(args, "-race")
 		}
-		args = append(args, "github.com/engramfs/engramfs/cmd/"+name)
+		args = append(args, pkg)
 		if out, err := exec.Command(GoTool(), args...).CombinedOutput(); err != nil {
 			buildErr[name] = fmt.Errorf("go build %s: %v\n%s", name, err, out)
 		}
