@@ -217,6 +217,9 @@ func LoadSource(src Source, pattern string) (*Model, error) {
 		if err != nil || layer < 0 || layer > 0xFFFF {
 			return nil, fmt.Errorf("shard %s: tensor %q: layer %q is not a number from 0 to 65535", shard.Path, name, sub[layerGroup])
 		}
+		if err := checkTableName(sub[tableGroup]); err != nil {
+			return nil, fmt.Errorf("shard %s: tensor %q: %w", shard.Path, name, err)
+		}
 		t, err := newTable(name, layer, sub[tableGroup], ti, shard, h.DataStart)
 		if err != nil {
 			return nil, fmt.Errorf("shard %s: tensor %q: %w", shard.Path, name, err)
@@ -261,6 +264,19 @@ func LoadSource(src Source, pattern string) (*Model, error) {
 	}
 	sort.Slice(m.Shards, func(i, j int) bool { return m.Shards[i].Name < m.Shards[j].Name })
 	return m, nil
+}
+
+// checkTableName refuses a table name (the pattern's `table` group) that
+// is not one plain file name: the table file is layers/<L>/<table>.safetensors
+// in the mount, the index and manifest send loaders there, and the daemon
+// opens and pins that path itself. With a permissive pattern, a tensor
+// named layers.0.../../../evil became ../evil.safetensors, outside the mount.
+func checkTableName(kind string) error {
+	if kind == "" || kind == "." || kind == ".." || strings.ContainsAny(kind, "/\x00") ||
+		!filepath.IsLocal(filepath.Join("layers", "0", kind+".safetensors")) {
+		return fmt.Errorf("table name %q (the pattern's `table` group) is not a file name inside the mount", kind)
+	}
+	return nil
 }
 
 func newTable(name string, layer int, kind string, ti TensorInfo, shard *Shard, dataStart int64) (*Table, error) {

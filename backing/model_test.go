@@ -341,6 +341,38 @@ func TestLoadRefusesShardOutsideDir(t *testing.T) {
 	}
 }
 
+// A table name is a file name in the mount (layers/<L>/<table>.safetensors):
+// with a permissive pattern, a tensor whose `table` group leaves that
+// directory, or names a directory, is refused with its name, before any
+// path is built from it (the mount's index and manifest sent loaders to
+// ../evil.safetensors, outside the mount, and the daemon opened it).
+func TestLoadRefusesTableNameOutsideMount(t *testing.T) {
+	const pattern = `^layers\.(?P<layer>\d+)\.(?P<table>.*)$`
+	for _, name := range []string{
+		"layers.0.../../../evil", "layers.0../evil", "layers.0.a/b", "layers.0./abs", "layers.0...",
+		"layers.0..", "layers.0.", "layers.0.nul\x00byte",
+	} {
+		for _, glob := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%q/glob=%v", name, glob), func(t *testing.T) {
+				dir := modelDir(t, map[string][]TensorInfo{"a.safetensors": {
+					table2D(name, "U8", []int64{4, 4096}, 0)}}, glob)
+				m, err := Load(dir, pattern)
+				wantRefusal(t, m, err, filepath.Join(dir, "a.safetensors"), "not a file name inside the mount")
+				if err != nil && !strings.Contains(err.Error(), strconv.Quote(name)) {
+					t.Errorf("error %q does not quote the tensor %q", err, name)
+				}
+			})
+		}
+	}
+	// The same pattern with names that stay inside is fine.
+	dir := modelDir(t, map[string][]TensorInfo{"a.safetensors": {
+		table2D("layers.0.engram..weight", "U8", []int64{4, 4096}, 0)}}, false)
+	m, err := Load(dir, pattern)
+	if err != nil || m.Tables[0].Path() != filepath.Join("layers", "0", "engram..weight.safetensors") {
+		t.Fatalf("a dotted table name: %v", err)
+	}
+}
+
 type inotifyWatch struct{ fd int }
 
 func watchOpens(t *testing.T, dir string) inotifyWatch {

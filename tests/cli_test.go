@@ -18,7 +18,13 @@ import (
 // and a message naming each of want.
 func expectMountRefused(t *testing.T, modelDir, mp string, want ...string) {
 	t.Helper()
-	cmd := exec.Command(Binary(t), "mount", modelDir, mp)
+	expectMountRefusedWith(t, nil, modelDir, mp, want...)
+}
+
+// expectMountRefusedWith is expectMountRefused with flags of mount.
+func expectMountRefusedWith(t *testing.T, flags []string, modelDir, mp string, want ...string) {
+	t.Helper()
+	cmd := exec.Command(Binary(t), append(append([]string{"mount"}, flags...), modelDir, mp)...)
 	done := make(chan struct{})
 	var out []byte
 	var err error
@@ -208,4 +214,28 @@ func TestUnmountCommand(t *testing.T) {
 	if err == nil || !strings.Contains(string(out), "not a mount point") {
 		t.Fatalf("unmount of a non-mount: %v, %s; want a 'not a mount point' error", err, out)
 	}
+}
+
+// A table name that would leave the mount (a permissive --table-pattern and
+// a tensor named layers.0.../../../evil) is refused with the tensor's name:
+// mounted, the index and manifest sent loaders to ../evil.safetensors,
+// outside the mount, and the daemon opened that file itself.
+func TestTableNameOutsideMountIsRefused(t *testing.T) {
+	RequireFUSE(t)
+	const evil = "layers.0.../../../evil"
+	dir := t.TempDir()
+	hdr, err := backing.EncodeHeader([]backing.TensorInfo{{Name: evil, Dtype: "U8", Shape: []int64{4, 4096}, Begin: 0, End: 4 * 4096}},
+		map[string]string{"format": "pt"}, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, filepath.Join(dir, "model.safetensors"), append(hdr, make([]byte, 4*4096)...))
+	mp := filepath.Join(t.TempDir(), "mnt")
+	if err := os.Mkdir(mp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// What the name reaches from the daemon's view of the mount.
+	writeFile(t, filepath.Join(filepath.Dir(mp), "evil.safetensors"), []byte("outside"))
+	expectMountRefusedWith(t, []string{"--table-pattern", `^layers\.(?P<layer>\d+)\.(?P<table>.+)$`}, dir, mp,
+		`"`+evil+`"`, "not a file name inside the mount")
 }
