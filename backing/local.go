@@ -85,7 +85,7 @@ func (s *LocalSource) List(suffix string) ([]string, error) {
 // ReadFile reads a small file of the directory.
 func (s *LocalSource) ReadFile(name string, limit int64) ([]byte, error) {
 	path := filepath.Join(s.dir, name)
-	f, err := os.Open(path)
+	f, err := OpenRegular(path, 0)
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) {
 			return nil, err
@@ -116,9 +116,9 @@ func (s *LocalSource) Open(name string) (ShardFile, error) {
 			return nil, fmt.Errorf("shard %s: O_DIRECT: %w", path, err)
 		}
 	}
-	f, err := os.Open(path)
+	f, err := OpenRegular(path, 0)
 	if err != nil {
-		return nil, fmt.Errorf("shard %s: %w", path, err)
+		return nil, fmt.Errorf("shard: %w", err)
 	}
 	// FADV_RANDOM turns off readahead for this open file (NFS included).
 	if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_RANDOM); err != nil {
@@ -152,11 +152,11 @@ func (s *LocalSource) openDirect(path string) (*localShard, error) {
 // whose filesystem reports no O_DIRECT support. Some filesystems take
 // O_DIRECT at open and refuse it at read: ProbeDirect tells.
 func OpenDirect(path string, minAlign int64) (f *os.File, align, memAl int64, err error) {
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	f, err = OpenRegular(path, unix.O_DIRECT)
 	if err != nil {
 		return nil, 0, 0, err
 	}
-	f = os.NewFile(uintptr(fd), path)
+	fd := int(f.Fd())
 	align, memAl = 4096, 4096
 	var sx unix.Statx_t
 	if unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &sx) == nil && sx.Mask&unix.STATX_DIOALIGN != 0 {
@@ -167,6 +167,51 @@ func OpenDirect(path string, minAlign int64) (f *os.File, align, memAl int64, er
 		align, memAl = int64(sx.Dio_offset_align), max(int64(sx.Dio_mem_align), 1)
 	}
 	return f, max(align, minAlign), max(memAl, minAlign), nil
+}
+
+// OpenRegular opens path read-only (with flags added, e.g. O_DIRECT) and
+// refuses anything but a regular file, without blocking on it: a FIFO
+// named as a shard, the index or the state file blocked the mount in
+// open(2) until a writer came, which was never. It opens with O_NONBLOCK
+// (a FIFO then opens at once), checks with fstat, and clears O_NONBLOCK
+// again: io_uring would answer a read of an O_NONBLOCK file that has to
+// wait for the disk with EAGAIN instead of waiting.
+func OpenRegular(path string, flags int) (*os.File, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK|flags, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return nil, &os.PathError{Op: "fstat", Path: path, Err: err}
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		unix.Close(fd)
+		return nil, fmt.Errorf("%s: %s, not a regular file", path, fileKind(st.Mode))
+	}
+	if err := unix.SetNonblock(fd, false); err != nil {
+		unix.Close(fd)
+		return nil, &os.PathError{Op: "fcntl", Path: path, Err: err}
+	}
+	return os.NewFile(uintptr(fd), path), nil
+}
+
+// fileKind names the type of a file that is not a regular one.
+func fileKind(mode uint32) string {
+	switch mode & unix.S_IFMT {
+	case unix.S_IFDIR:
+		return "a directory"
+	case unix.S_IFIFO:
+		return "a FIFO"
+	case unix.S_IFCHR:
+		return "a character device"
+	case unix.S_IFBLK:
+		return "a block device"
+	case unix.S_IFSOCK:
+		return "a socket"
+	}
+	return fmt.Sprintf("a file of type %#o", mode&unix.S_IFMT)
 }
 
 // ProbeDirect reads the first align bytes of f, opened by OpenDirect, with

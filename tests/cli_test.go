@@ -239,3 +239,59 @@ func TestTableNameOutsideMountIsRefused(t *testing.T) {
 	expectMountRefusedWith(t, []string{"--table-pattern", `^layers\.(?P<layer>\d+)\.(?P<table>.+)$`}, dir, mp,
 		`"`+evil+`"`, "not a file name inside the mount")
 }
+
+// mkfifo makes a FIFO at path; nothing ever opens its other end.
+func mkfifo(t *testing.T, path string) {
+	t.Helper()
+	if err := syscall.Mkfifo(path, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A FIFO where a shard or the index should be is refused at once, named,
+// instead of blocking the mount in open(2) forever (a FIFO opens only once
+// a writer comes).
+func TestSpecialFilesInTheModelAreRefused(t *testing.T) {
+	RequireFUSE(t)
+	spec := backing.DefaultSynth()
+	spec.Rows = 64
+	t.Run("shard", func(t *testing.T) {
+		dir := Synth(t, spec)
+		os.Remove(filepath.Join(dir, backing.IndexFile)) // every *.safetensors is a shard
+		fifo := filepath.Join(dir, "model-00003-of-00003.safetensors")
+		mkfifo(t, fifo)
+		expectMountRefused(t, dir, t.TempDir(), fifo, "not a regular file")
+	})
+	t.Run("index shard", func(t *testing.T) {
+		dir := Synth(t, spec)
+		shard := filepath.Join(dir, "model-00002-of-00002.safetensors")
+		os.Remove(shard)
+		mkfifo(t, shard)
+		expectMountRefused(t, dir, t.TempDir(), shard, "not a regular file")
+	})
+	t.Run("index", func(t *testing.T) {
+		dir := Synth(t, spec)
+		index := filepath.Join(dir, backing.IndexFile)
+		os.Remove(index)
+		mkfifo(t, index)
+		expectMountRefused(t, dir, t.TempDir(), index, "not a regular file")
+	})
+}
+
+// A FIFO as --state-file is ignored with a warning that names it, and the
+// mount is announced ready ("mounted"): it used to serve without ever
+// saying so, blocked in open(2) on the state file.
+func TestStateFileFIFOIsIgnored(t *testing.T) {
+	spec := backing.DefaultSynth()
+	spec.Rows = 64
+	fifo := filepath.Join(t.TempDir(), "warm.state")
+	mkfifo(t, fifo)
+	d := Mount(t, Synth(t, spec), "--state-file", fifo) // waits for "mounted"
+	var warned bool
+	for _, line := range strings.Split(d.Log(), "\n") {
+		warned = warned || strings.Contains(line, "WARN") && strings.Contains(line, fifo) && strings.Contains(line, "not a regular file")
+	}
+	if !warned {
+		t.Errorf("no warning naming the FIFO state file:\n%s", d.Summary())
+	}
+}

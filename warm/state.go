@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io"
 	"os"
 	"path/filepath"
 	"time"
@@ -132,7 +133,12 @@ func Load(path string, m *backing.Model, maxPages int) ([]cache.PageKey, Header,
 		}
 		return fmt.Errorf("warm state %s: %s", path, what)
 	}
-	fi, err := os.Stat(path)
+	f, err := backing.OpenRegular(path, 0) // never blocks on a FIFO
+	if err != nil {
+		return nil, hdr, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
 	if err != nil {
 		return nil, hdr, err
 	}
@@ -143,7 +149,7 @@ func Load(path string, m *backing.Model, maxPages int) ([]cache.PageKey, Header,
 	if fi.Size() > limit {
 		return nil, hdr, bad(fmt.Sprintf("%d bytes, more than a state for %d pages can take", fi.Size(), maxPages), nil)
 	}
-	b, err := os.ReadFile(path)
+	b, err := io.ReadAll(io.LimitReader(f, limit+1))
 	if err != nil {
 		return nil, hdr, err
 	}
