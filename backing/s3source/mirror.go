@@ -2,16 +2,23 @@ package s3source
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/crc32"
+	"io"
 	"math"
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
@@ -36,6 +43,9 @@ type MirrorConfig struct {
 	// this many bytes a second, in GET slots nobody waits for, while the
 	// budget has room (filler).
 	FillRate int64
+	// Log hears what the mirror discards, fails to write or finds
+	// damaged (rate-limited); nil: nothing is logged.
+	Log *zap.Logger
 }
 
 // MirrorExtent is the unit of the mirror's eviction: 2 MiB of a shard.
@@ -46,19 +56,30 @@ const MirrorExtent = 2 << 20
 //
 //   - NAME.data: sparse, the object's bytes at the object's offsets;
 //   - NAME.meta: a header (magic, page size, the object's size and ETag),
-//     then at mirrorHeader a bitmap, one bit per page of NAME.data.
+//     then at mirrorHeader a bitmap, one bit per page of NAME.data, then
+//     at the next page boundary (crcBase) the CRC32C of every page, 4
+//     bytes each, little-endian (the last page's over its short length).
 //
-// A bit is set only after its page is durable: pwrite, fdatasync, then set
-// and persist the bit. A bit is cleared, and the clearing made durable,
-// before its page is punched out. So a crash anywhere leaves no bit over
-// bytes that were not written: at worst a page mirrored but not marked,
-// which is fetched again. A mirror whose ETag or size is not the object's
-// at open is discarded.
+// A bit is set only after its page is durable: pwrite, fdatasync, then
+// write its checksum and bit and fdatasync NAME.meta. A bit is cleared,
+// and the clearing made durable, before its page is punched out. So a
+// crash anywhere leaves no bit over bytes that were not written: at worst
+// a page mirrored but not marked, which is fetched again. Every read of a
+// mirrored page checks its bytes against the checksum: bytes damaged on
+// disk (random writes, a punched hole: 2,977 of 3,000 rows were wrong,
+// silently, before the checksums) are read from the object instead, the
+// page is unmarked and mirrored again (mirror_checksum_failures). The
+// checksums of mirrored pages are kept in memory too: 4 bytes a page, 0.1%
+// of the mirrored bytes. A mirror whose ETag or size is not the object's
+// at open, or of an older format, is discarded.
 const (
 	mirrorPage   = 4096
 	mirrorExtent = MirrorExtent
+	extentPages  = mirrorExtent / mirrorPage
 	mirrorHeader = 4096 // bytes of NAME.meta before the bitmap
-	mirrorMagic  = "EGMIRR01"
+	mirrorMagic  = "EGMIRR02"
+	// mirrorMagicV1 is the format before checksums: discarded at open.
+	mirrorMagicV1 = "EGMIRR01"
 	// mirrorQueue bounds the pages waiting to be written: the mirror is
 	// best effort, and a full queue drops (never blocks a read).
 	mirrorQueue = 4096
@@ -66,15 +87,25 @@ const (
 	// mirrorQueueDepth is the depth of the mirror's own read engine, when
 	// it is given none.
 	mirrorQueueDepth = 64
+	// mirrorMaxDamaged bounds the damaged pages waiting for the writer to
+	// unmark them; past it a damaged page is still never served, only
+	// fetched again on each read until the writer catches up.
+	mirrorMaxDamaged = 65536
 )
+
+// crcTable is CRC32C (Castagnoli), hardware-accelerated on amd64 and arm64:
+// ~0.3 µs for a 4 KiB page.
+var crcTable = crc32.MakeTable(crc32.Castagnoli)
 
 // mirror is the mirror directory of one Source. Its writer goroutine is the
 // only one to write, set bits, clear bits and punch holes.
 type mirror struct {
 	dir    string
-	budget int64
+	budget int64 // GUARDED_BY(mu): the budget in force (see lowerBudgetLocked)
 	st     *stats.Counters
-	lock   *os.File // flock(LOCK_EX) on DIR/.lock: one daemon per mirror
+	log    *zap.Logger // rate-limited: writes and reads fail in bursts
+	sys    mirrorSys   // the writer's system calls on mirror files
+	lock   *os.File    // flock(LOCK_EX) on DIR/.lock: one daemon per mirror
 	clock  atomic.Int64
 
 	engine    ioengine.Engine
@@ -123,17 +154,27 @@ type mirrorFile struct {
 	ext        []*extent // by extent index
 
 	// Pages are read from rfd: data opened again with O_DIRECT (direct),
-	// else data itself; in reads aligned to align (the filesystem's O_DIRECT
-	// offset alignment: 512 on ext4, not a mirror page: a table's 4 KiB page
-	// at an unaligned shard offset is then a read of 4.5 KiB, not 8), into
+	// else data itself; in reads of whole mirror pages (readBuf), into
 	// buffers aligned to memAl.
-	rfd          *os.File
-	direct       bool
-	align, memAl int64
+	rfd     *os.File
+	direct  bool
+	memAl   int64
+	crcBase int64 // offset of the checksums in NAME.meta
 
 	mu   sync.RWMutex
 	etag string   // GUARDED_BY(mu): "" once the object is known changed
 	bits []uint64 // GUARDED_BY(mu): bit p%64 of bits[p/64]: page p is mirrored
+	// crcs[e][i] is the checksum of page e*extentPages+i, for mirrored
+	// pages; crcs[e] is nil while extent e holds none.
+	crcs [][]uint32 // GUARDED_BY(mu)
+
+	// damaged are pages whose bytes failed their checksum, found by reads
+	// (which hold no lock of f's then), for the writer to unmark; until it
+	// has, they count as not mirrored. ndamaged = len(damaged), read
+	// without the lock on every read.
+	dmu      sync.Mutex
+	damaged  map[int64]struct{} // GUARDED_BY(dmu)
+	ndamaged atomic.Int64
 	// gen grows, under mu.Lock, when etag changes (a reset empties the
 	// data file, an invalidation disowns it).
 	gen atomic.Uint64
@@ -158,6 +199,14 @@ func openMirror(cfg MirrorConfig, st *stats.Counters) (*mirror, error) {
 	if err := os.MkdirAll(cfg.Dir, 0o700); err != nil {
 		return nil, fmt.Errorf("mirror: %w", err)
 	}
+	log := cfg.Log
+	if log == nil {
+		log = zap.NewNop()
+	}
+	budget, err := fitBudget(cfg.Dir, cfg.Size, log)
+	if err != nil {
+		return nil, err
+	}
 	lock, err := os.OpenFile(filepath.Join(cfg.Dir, ".lock"), os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("mirror: %w", err)
@@ -167,7 +216,10 @@ func openMirror(cfg MirrorConfig, st *stats.Counters) (*mirror, error) {
 		return nil, fmt.Errorf("mirror %s: in use by another process (%v)", cfg.Dir, err)
 	}
 	m := &mirror{
-		dir: cfg.Dir, budget: cfg.Size, st: st, lock: lock, engine: cfg.Engine,
+		dir: cfg.Dir, budget: budget, st: st, lock: lock, engine: cfg.Engine, sys: osSys{},
+		log: log.WithOptions(zap.WrapCore(func(c zapcore.Core) zapcore.Core {
+			return zapcore.NewSamplerWithOptions(c, time.Second, 3, 0)
+		})),
 		files: map[string]*mirrorFile{},
 		queue: make(chan mirrorWrite, mirrorQueue), done: make(chan struct{}),
 	}
@@ -179,8 +231,65 @@ func openMirror(cfg MirrorConfig, st *stats.Counters) (*mirror, error) {
 		}
 		m.engine, m.ownEngine = e, true
 	}
+	st.MirrorBudgetBytes.Store(budget)
 	go m.writer()
 	return m, nil
+}
+
+// fitBudget returns the budget the mirror directory's filesystem can hold:
+// size, or less when the filesystem's free space plus what the mirror holds
+// already is less (with a warning). A budget above the filesystem never
+// evicted: the writes failed with ENOSPC and the mirror stopped mirroring
+// for good. 5% is left to the mirror's own metadata and the filesystem's.
+func fitBudget(dir string, size int64, log *zap.Logger) (int64, error) {
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(dir, &sfs); err != nil {
+		return 0, fmt.Errorf("mirror %s: statfs: %w", dir, err)
+	}
+	held := int64(0)
+	if files, err := filepath.Glob(filepath.Join(dir, "*.data")); err == nil {
+		for _, p := range files {
+			var st unix.Stat_t
+			if unix.Stat(p, &st) == nil {
+				held += st.Blocks * 512
+			}
+		}
+	}
+	room := (int64(sfs.Bavail)*int64(sfs.Bsize) + held) / 20 * 19
+	if size <= room {
+		return size, nil
+	}
+	fit := room / mirrorExtent * mirrorExtent
+	if fit < mirrorExtent {
+		return 0, fmt.Errorf("mirror %s: its filesystem has room for %d bytes (%d free, %d mirrored), not one %d-byte extent",
+			dir, room, int64(sfs.Bavail)*int64(sfs.Bsize), held, mirrorExtent)
+	}
+	log.Warn("s3 mirror: --s3-mirror-size is more than the mirror's filesystem can hold: using what it can",
+		zap.String("mirror", dir), zap.Int64("budget", size), zap.Int64("filesystem_free", int64(sfs.Bavail)*int64(sfs.Bsize)),
+		zap.Int64("mirrored", held), zap.Int64("budget_used", fit))
+	return fit, nil
+}
+
+// mirrorSys is the system calls the writer makes on mirror files: tests
+// record their order or fail them.
+type mirrorSys interface {
+	pwrite(f *os.File, b []byte, off int64) error
+	fdatasync(f *os.File) error
+}
+
+type osSys struct{}
+
+func (osSys) pwrite(f *os.File, b []byte, off int64) error {
+	_, err := f.WriteAt(b, off)
+	return err
+}
+
+func (osSys) fdatasync(f *os.File) error {
+	for {
+		if err := unix.Fdatasync(int(f.Fd())); err != unix.EINTR {
+			return err
+		}
+	}
 }
 
 // Buffered says why the mirror's pages are read through the page cache
@@ -287,30 +396,38 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 		return nil, fmt.Errorf("mirror: %w", err)
 	}
 	pages := (size + mirrorPage - 1) / mirrorPage
+	words := (pages + 63) / 64
 	f := &mirrorFile{
 		m: m, name: name, data: data, meta: meta, size: size, pages: pages,
-		ext:  make([]*extent, (size+mirrorExtent-1)/mirrorExtent),
-		bits: make([]uint64, (pages+63)/64),
-		rfd:  data, align: 1, memAl: 1,
+		ext:     make([]*extent, (size+mirrorExtent-1)/mirrorExtent),
+		bits:    make([]uint64, words),
+		crcs:    make([][]uint32, (size+mirrorExtent-1)/mirrorExtent),
+		crcBase: mirrorHeader + (8*words+mirrorPage-1)/mirrorPage*mirrorPage,
+		rfd:     data, memAl: 1,
 	}
 	for i := range f.ext {
 		f.ext[i] = &extent{}
 	}
-	if f.load(etag) {
+	if why := f.load(etag); why == "" {
 		f.etag = etag
 		for p := int64(0); p < pages; p++ {
 			if f.bits[p/64]&(1<<(p%64)) != 0 {
-				f.ext[p*mirrorPage/mirrorExtent].pages++
+				f.ext[p/extentPages].pages++
 				m.used += mirrorPage
 			}
 		}
-	} else if err := m.resetLocked(f, etag); err != nil {
-		data.Close()
-		meta.Close()
-		return nil, err
+	} else {
+		if why != "new" {
+			m.log.Info("s3 mirror: discarding a shard's mirror", zap.String("shard", name), zap.String("reason", why))
+		}
+		if err := m.resetLocked(f, etag); err != nil {
+			data.Close()
+			meta.Close()
+			return nil, err
+		}
 	}
-	if rfd, align, memAl, err := m.openDirect(base + ".data"); err == nil {
-		f.rfd, f.direct, f.align, f.memAl = rfd, true, align, memAl
+	if rfd, memAl, err := m.openDirect(base + ".data"); err == nil {
+		f.rfd, f.direct, f.memAl = rfd, true, memAl
 	} else {
 		why := err.Error()
 		m.buffered.CompareAndSwap(nil, &why)
@@ -322,21 +439,28 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 	return f, nil
 }
 
-// load reads NAME.meta: true when it mirrors this object (same page size,
-// size and ETag), with f.bits filled.
-func (f *mirrorFile) load(etag string) bool {
+// load reads NAME.meta, with f.bits and f.crcs filled: "" when it mirrors
+// this object (same format, page size, size and ETag), else why not
+// ("new": there was none).
+func (f *mirrorFile) load(etag string) string {
 	hdr := make([]byte, mirrorHeader)
-	if _, err := f.meta.ReadAt(hdr, 0); err != nil {
-		return false
+	if n, err := f.meta.ReadAt(hdr, 0); n == 0 {
+		return "new"
+	} else if err != nil {
+		return fmt.Sprintf("its header is short or unreadable: %v", err)
 	}
 	n := int(binary.LittleEndian.Uint32(hdr[12:]))
-	if !bytes.Equal(hdr[:8], []byte(mirrorMagic)) || binary.LittleEndian.Uint32(hdr[8:]) != mirrorPage ||
-		int64(binary.LittleEndian.Uint64(hdr[16:])) != f.size || n > mirrorHeader-24 || string(hdr[24:24+n]) != etag {
-		return false
+	switch {
+	case bytes.Equal(hdr[:8], []byte(mirrorMagicV1)):
+		return "written before mirrored pages had checksums (format " + mirrorMagicV1 + "): its bytes cannot be checked"
+	case !bytes.Equal(hdr[:8], []byte(mirrorMagic)) || binary.LittleEndian.Uint32(hdr[8:]) != mirrorPage:
+		return "not a mirror of this format"
+	case int64(binary.LittleEndian.Uint64(hdr[16:])) != f.size || n > mirrorHeader-24 || string(hdr[24:24+n]) != etag:
+		return "the object changed since it was mirrored (size or ETag)"
 	}
 	raw := make([]byte, 8*len(f.bits))
 	if _, err := f.meta.ReadAt(raw, mirrorHeader); err != nil {
-		return false
+		return fmt.Sprintf("its bitmap is unreadable: %v", err)
 	}
 	for i := range f.bits {
 		f.bits[i] = binary.LittleEndian.Uint64(raw[8*i:])
@@ -344,7 +468,35 @@ func (f *mirrorFile) load(etag string) bool {
 	if k := f.pages % 64; k != 0 && len(f.bits) > 0 {
 		f.bits[len(f.bits)-1] &= 1<<k - 1
 	}
-	return true
+	// The checksums of the extents that hold pages.
+	for e := range f.crcs {
+		first, last := int64(e)*extentPages, min(int64(e+1)*extentPages, f.pages)
+		if !f.anyBitLocked(first, last) {
+			continue
+		}
+		raw := make([]byte, 4*(last-first))
+		// Short at the end of the file: checksums a crash kept from the
+		// disk while their bits got there read as 0, and their pages fail
+		// the check and are fetched again.
+		if _, err := f.meta.ReadAt(raw, f.crcBase+4*first); err != nil && !errors.Is(err, io.EOF) {
+			return fmt.Sprintf("its checksums are unreadable: %v", err)
+		}
+		f.crcs[e] = make([]uint32, extentPages)
+		for i := range last - first {
+			f.crcs[e][i] = binary.LittleEndian.Uint32(raw[4*i:])
+		}
+	}
+	return ""
+}
+
+// anyBitLocked reports whether any page of [first, last) is mirrored.
+func (f *mirrorFile) anyBitLocked(first, last int64) bool {
+	for p := first; p < last; p++ {
+		if f.bits[p/64]&(1<<(p%64)) != 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // resetLocked discards f's mirror and makes it the (empty) mirror of the
@@ -359,6 +511,7 @@ func (m *mirror) resetLocked(f *mirrorFile, etag string) error {
 		e.pages = 0
 	}
 	clear(f.bits)
+	clear(f.crcs)
 	f.etag = etag
 	f.gen.Add(1)
 	hdr := make([]byte, mirrorHeader+8*len(f.bits))
@@ -370,10 +523,10 @@ func (m *mirror) resetLocked(f *mirrorFile, etag string) error {
 	if err := f.meta.Truncate(0); err != nil {
 		return fmt.Errorf("mirror: %w", err)
 	}
-	if _, err := f.meta.WriteAt(hdr, 0); err != nil {
+	if err := m.sys.pwrite(f.meta, hdr, 0); err != nil {
 		return fmt.Errorf("mirror: %w", err)
 	}
-	if err := unix.Fdatasync(int(f.meta.Fd())); err != nil {
+	if err := m.sys.fdatasync(f.meta); err != nil {
 		return fmt.Errorf("mirror: %w", err)
 	}
 	if err := f.data.Truncate(0); err != nil {
@@ -385,15 +538,40 @@ func (m *mirror) resetLocked(f *mirrorFile, etag string) error {
 	return nil
 }
 
-// coveredLocked reports whether every page of [off, off+n) is mirrored.
+// coveredLocked reports whether every page of [off, off+n) is mirrored
+// (and not found damaged since).
 func (f *mirrorFile) coveredLocked(off int64, n int) bool {
-	for p := off / mirrorPage; p <= (off+int64(n)-1)/mirrorPage; p++ {
+	first, last := off/mirrorPage, (off+int64(n)-1)/mirrorPage
+	for p := first; p <= last; p++ {
 		if f.bits[p/64]&(1<<(p%64)) == 0 {
 			return false
 		}
 	}
+	if f.ndamaged.Load() > 0 {
+		f.dmu.Lock()
+		defer f.dmu.Unlock()
+		for p := first; p <= last; p++ {
+			if _, bad := f.damaged[p]; bad {
+				return false
+			}
+		}
+	}
 	return true
 }
+
+// crcsLocked returns the checksums of the pages of [off, off+n), which are
+// mirrored.
+func (f *mirrorFile) crcsLocked(off int64, n int) []uint32 {
+	first, last := off/mirrorPage, (off+int64(n)-1)/mirrorPage
+	out := make([]uint32, 0, last-first+1)
+	for p := first; p <= last; p++ {
+		out = append(out, f.crcs[p/extentPages][p%extentPages])
+	}
+	return out
+}
+
+// pageCRC is the checksum of page bytes b.
+func pageCRC(b []byte) uint32 { return crc32.Checksum(b, crcTable) }
 
 // read returns [off, off+n) of the object as of etag from the mirror, or
 // false when any of it is not mirrored (any more). It waits for the read.
@@ -404,23 +582,42 @@ func (f *mirrorFile) read(etag string, off int64, n int) ([]byte, bool) {
 		return nil, false
 	}
 	start, buf := f.readBuf(off, n)
+	crcs := f.crcsLocked(off, n)
 	got, err := backing.PreadFull(int(f.rfd.Fd()), buf, start)
 	f.mu.RUnlock()
-	return f.answer(off, n, start, buf, got, err)
+	return f.answer(off, n, start, buf, got, err, crcs)
 }
 
-// readBuf returns the offset and an aligned buffer for a read of [off,
-// off+n) of the mirror file.
+// readBuf returns the offset and an aligned buffer for a read of the whole
+// mirror pages of [off, off+n): a page's checksum needs all of its bytes.
+// (Reads aligned to the O_DIRECT offset alignment alone, 512 on ext4,
+// read 4.5 KiB for a table's page at an unaligned shard offset, not 8 KiB;
+// whole pages cost BenchmarkMirrorStep 4.2-5.1 ms a 128-read step against
+// 3.4-3.9 ms, 1.11-1.18× a local shard's step, on a busy machine.) Mirror
+// pages are multiples of that alignment, so the read stays O_DIRECT.
 func (f *mirrorFile) readBuf(off int64, n int) (int64, []byte) {
-	start := off / f.align * f.align
-	end := (off + int64(n) + f.align - 1) / f.align * f.align
+	start := off / mirrorPage * mirrorPage
+	end := (off + int64(n) + mirrorPage - 1) / mirrorPage * mirrorPage
 	return start, backing.AlignedBuf(int(end-start), f.memAl)
 }
 
-// answer turns got bytes read into buf at start into [off, off+n), or
-// false. The last page may be short: the file ends with the object.
-func (f *mirrorFile) answer(off int64, n int, start int64, buf []byte, got int, err error) ([]byte, bool) {
-	if err != nil || int64(got) < off+int64(n)-start {
+// answer turns got bytes read into buf at start (whole pages) into [off,
+// off+n), or false: when the read failed, or a page's bytes do not match
+// its checksum in crcs (the page is then marked damaged, for the writer to
+// unmark). The last page may be short: the file ends with the object.
+func (f *mirrorFile) answer(off int64, n int, start int64, buf []byte, got int, err error, crcs []uint32) ([]byte, bool) {
+	if err != nil || int64(got) < min(start+int64(len(buf)), f.size)-start {
+		return nil, false
+	}
+	bad := false
+	for i, want := range crcs {
+		lo := int64(i) * mirrorPage
+		if pageCRC(buf[lo:min(lo+mirrorPage, f.size-start)]) != want {
+			f.markDamaged(start/mirrorPage + int64(i))
+			bad = true
+		}
+	}
+	if bad {
 		return nil, false
 	}
 	f.touch(off, int64(n))
@@ -454,11 +651,12 @@ func (f *mirrorFile) submit(etag string, reads []*backing.ShardRead, hit func(r 
 			continue
 		}
 		start, buf := f.readBuf(r.Off, r.Len)
+		crcs := f.crcsLocked(r.Off, r.Len)
 		extGen := f.extentGens(r.Off, r.Len)
 		reqs = append(reqs, &ioengine.Req{Fd: int(f.rfd.Fd()), Off: start, Buf: buf, Done: func(got int, err error) {
 			if f.gen.Load() != gen || f.extentGens(r.Off, r.Len) != extGen {
 				miss(r)
-			} else if data, ok := f.answer(r.Off, r.Len, start, buf, got, err); ok {
+			} else if data, ok := f.answer(r.Off, r.Len, start, buf, got, err, crcs); ok {
 				hit(r, data)
 			} else {
 				miss(r)
@@ -489,26 +687,46 @@ func (f *mirrorFile) extentGens(off int64, n int) uint64 {
 }
 
 // openDirect opens path for reads with O_DIRECT, if its filesystem takes
-// them at mirror page offsets, and returns the offset and memory
-// alignments they need (backing.OpenDirect).
-func (m *mirror) openDirect(path string) (*os.File, int64, int64, error) {
+// them at mirror page offsets, and returns the memory alignment its
+// buffers need (backing.OpenDirect).
+func (m *mirror) openDirect(path string) (*os.File, int64, error) {
 	if m.noDirect {
-		return nil, 0, 0, errors.New("O_DIRECT off (test)")
+		return nil, 0, errors.New("O_DIRECT off (test)")
 	}
 	f, align, memAl, err := backing.OpenDirect(path, 0)
 	if err != nil {
-		return nil, 0, 0, fmt.Errorf("open %s with O_DIRECT: %w", path, err)
+		return nil, 0, fmt.Errorf("open %s with O_DIRECT: %w", path, err)
 	}
 	if mirrorPage%align != 0 {
 		f.Close()
-		return nil, 0, 0, fmt.Errorf("%s: O_DIRECT needs offsets aligned to %d bytes", path, align)
+		return nil, 0, fmt.Errorf("%s: O_DIRECT needs offsets aligned to %d bytes", path, align)
 	}
 	// The file has its size already: a hole reads as zeros.
 	if err := backing.ProbeDirect(f, align, memAl); err != nil {
 		f.Close()
-		return nil, 0, 0, fmt.Errorf("read %s with O_DIRECT: %w", path, err)
+		return nil, 0, fmt.Errorf("read %s with O_DIRECT: %w", path, err)
 	}
-	return f, align, memAl, nil
+	return f, memAl, nil
+}
+
+// markDamaged records that page p's bytes failed their checksum: it is not
+// served from now on, and the writer unmarks it (so the GET that answers
+// the read mirrors it again). It takes no lock a writer holds across I/O:
+// it runs in read completions.
+func (f *mirrorFile) markDamaged(p int64) {
+	f.m.st.MirrorChecksumFailures.Add(1)
+	f.m.log.Warn("s3 mirror: a mirrored page does not match its checksum: read from the object instead, and mirrored again",
+		zap.String("shard", f.name), zap.Int64("offset", p*mirrorPage), zap.String("mirror_file", f.data.Name()))
+	f.dmu.Lock()
+	if f.damaged == nil {
+		f.damaged = map[int64]struct{}{}
+	}
+	if len(f.damaged) < mirrorMaxDamaged {
+		f.damaged[p] = struct{}{}
+		f.ndamaged.Store(int64(len(f.damaged)))
+	}
+	f.dmu.Unlock()
+	f.m.send(mirrorWrite{}, false) // the writer unmarks it
 }
 
 func (f *mirrorFile) touch(off, n int64) {
@@ -614,9 +832,22 @@ func (m *mirror) writer() {
 }
 
 func (m *mirror) flush(batch []mirrorWrite) {
-	// 1. Write the pages (under f.mu: a reset never runs meanwhile). A
-	// fill write that would not fit the budget is dropped.
+	// 0. Unmark the pages reads found damaged; their bits reach the disk
+	// with the rest of step 3.
+	m.mu.Lock()
+	dirty := map[*mirrorFile][]pageRun{} // bitmap and checksums to persist
+	for _, f := range m.files {
+		if f.ndamaged.Load() > 0 {
+			dirty[f] = append(dirty[f], m.unmarkDamaged(f)...)
+		}
+	}
+	m.mu.Unlock()
+
+	// 1. Write the pages (under f.mu: a reset never runs meanwhile), with
+	// their checksums. A fill write that would not fit the budget is
+	// dropped.
 	written := batch[:0:0]
+	var sums [][]uint32 // by written
 	synced := map[*mirrorFile]bool{}
 	var filling int64
 	for _, w := range batch {
@@ -631,35 +862,43 @@ func (m *mirror) flush(batch []mirrorWrite) {
 			filling += n
 		}
 		f := w.f
-		f.mu.RLock()
-		ok := f.etag == w.etag
-		if ok {
-			_, err := f.data.WriteAt(w.data, w.off)
-			ok = err == nil
+		ok, err := m.write(w)
+		if errors.Is(err, unix.ENOSPC) {
+			// Make room and try once more: the write had nowhere to go,
+			// and dropped, it would be fetched again at the next read.
+			m.writeFailed(f, "write", w.off, err, int64(len(w.data)))
+			ok, err = m.write(w)
 		}
-		f.mu.RUnlock()
+		if err != nil {
+			m.writeFailed(f, "write", w.off, err, 0)
+			continue
+		}
 		if ok {
 			written = append(written, w)
+			sums = append(sums, pageCRCs(w.data))
 			synced[f] = false
 		}
 	}
 	// 2. Make them durable; then drop them from the page cache, which
 	// O_DIRECT reads pass by (kept, every mirrored page would be in RAM
-	// twice: here and in the mount's page cache).
+	// twice: here and in the mount's page cache). Only then may a bit
+	// say they are there (TestMirrorBitsFollowDurableData).
 	for f := range synced {
-		synced[f] = unix.Fdatasync(int(f.data.Fd())) == nil
+		err := m.sys.fdatasync(f.data)
+		if err != nil {
+			m.writeFailed(f, "fdatasync", 0, err, 0)
+		}
+		synced[f] = err == nil
 	}
 	for _, w := range written {
 		if w.f.direct && synced[w.f] {
 			_ = unix.Fadvise(int(w.f.data.Fd()), w.off, int64(len(w.data)), unix.FADV_DONTNEED)
 		}
 	}
-	// 3. Set and persist their bits.
+	// 3. Set their checksums and bits, and persist them.
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	if !m.noBits {
-		dirty := map[*mirrorFile][2]int64{} // bitmap words [lo, hi) to persist
-		for _, w := range written {
+		for i, w := range written {
 			f := w.f
 			if !synced[f] {
 				continue
@@ -680,17 +919,18 @@ func (m *mirror) flush(batch []mirrorWrite) {
 			}
 			if f.etag == w.etag {
 				for p := first; p <= last; p++ {
+					e := p / extentPages
+					if f.crcs[e] == nil {
+						f.crcs[e] = make([]uint32, extentPages)
+					}
+					f.crcs[e][p%extentPages] = sums[i][p-first]
 					if f.bits[p/64]&(1<<(p%64)) == 0 {
 						f.bits[p/64] |= 1 << (p % 64)
-						f.ext[p*mirrorPage/mirrorExtent].pages++
+						f.ext[e].pages++
 						m.used += mirrorPage
 					}
 				}
-				r, ok := dirty[f]
-				if !ok {
-					r = [2]int64{math.MaxInt64, 0}
-				}
-				dirty[f] = [2]int64{min(r[0], first/64), max(r[1], last/64+1)}
+				dirty[f] = append(dirty[f], pageRun{first, last + 1})
 				m.st.MirrorBytesWritten.Add(uint64(len(w.data)))
 			}
 			f.mu.Unlock()
@@ -698,34 +938,149 @@ func (m *mirror) flush(batch []mirrorWrite) {
 				f.touch(w.off, int64(len(w.data)))
 			}
 		}
-		for f, r := range dirty {
-			f.mu.RLock()
-			err := f.persistLocked(r[0], r[1])
-			f.mu.RUnlock()
-			if err == nil {
-				_ = unix.Fdatasync(int(f.meta.Fd()))
-			}
+	}
+	m.mu.Unlock()
+	for f, runs := range dirty {
+		f.mu.RLock()
+		err := f.persistLocked(runs)
+		f.mu.RUnlock()
+		if err == nil {
+			err = m.sys.fdatasync(f.meta)
+		}
+		if err != nil {
+			m.writeFailed(f, "write of the bitmap", 0, err, 0)
 		}
 	}
 	// 4. The budget.
-	m.evictLocked()
+	m.mu.Lock()
+	m.evictLocked(0)
+	m.mu.Unlock()
 }
 
-// persistLocked writes bitmap words [lo, hi) to NAME.meta.
-func (f *mirrorFile) persistLocked(lo, hi int64) error {
+// write writes w's pages to its data file, unless the object changed (ok
+// false): under f.mu, so a reset never runs meanwhile.
+func (m *mirror) write(w mirrorWrite) (ok bool, err error) {
+	w.f.mu.RLock()
+	defer w.f.mu.RUnlock()
+	if w.f.etag != w.etag {
+		return false, nil
+	}
+	return true, m.sys.pwrite(w.f.data, w.data, w.off)
+}
+
+// pageRun is pages [first, end) of a mirror file.
+type pageRun struct{ first, end int64 }
+
+// pageCRCs returns the checksum of each page of b (the last may be short).
+func pageCRCs(b []byte) []uint32 {
+	out := make([]uint32, 0, (len(b)+mirrorPage-1)/mirrorPage)
+	for lo := 0; lo < len(b); lo += mirrorPage {
+		out = append(out, pageCRC(b[lo:min(lo+mirrorPage, len(b))]))
+	}
+	return out
+}
+
+// unmarkDamaged clears the bits of the pages of f that reads found damaged,
+// and forgets them, returning the runs to persist. A damaged page's extent
+// is not punched: the GET that answered its read mirrors it again. Callers
+// hold m.mu; only the writer calls it.
+func (m *mirror) unmarkDamaged(f *mirrorFile) []pageRun {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.dmu.Lock()
+	damaged := f.damaged
+	f.damaged = nil
+	f.ndamaged.Store(0)
+	f.dmu.Unlock()
+	var runs []pageRun
+	for p := range damaged {
+		if f.bits[p/64]&(1<<(p%64)) != 0 {
+			f.bits[p/64] &^= 1 << (p % 64)
+			f.ext[p/extentPages].pages--
+			m.used -= mirrorPage
+			runs = append(runs, pageRun{p, p + 1})
+		}
+	}
+	return runs
+}
+
+// writeFailed counts and logs a failed write or sync of f's files. On
+// ENOSPC it lowers the budget to what the filesystem can hold now (its
+// free space and what the mirror holds, as at open) and evicts until room
+// more bytes fit: a mirror whose budget was above what its filesystem
+// could hold never evicted, its writes failed silently, and it stopped
+// mirroring for good. Callers hold no lock of m's.
+func (m *mirror) writeFailed(f *mirrorFile, op string, off int64, err error, room int64) {
+	m.st.MirrorWriteErrors.Add(1)
+	fields := []zap.Field{zap.String("shard", f.name), zap.String("op", op), zap.Int64("offset", off), zap.Error(err)}
+	if !errors.Is(err, unix.ENOSPC) {
+		m.log.Warn("s3 mirror: a write failed: those pages are not mirrored", fields...)
+		return
+	}
+	var sfs unix.Statfs_t
+	m.mu.Lock()
+	if unix.Statfs(m.dir, &sfs) == nil {
+		fit := (int64(sfs.Bavail)*int64(sfs.Bsize) + m.used) / 20 * 19 / mirrorPage * mirrorPage
+		if fit < m.budget {
+			m.budget = fit
+			m.st.MirrorBudgetBytes.Store(fit)
+		}
+	}
+	budget := m.budget
+	m.evictLocked(max(room, 1))
+	m.mu.Unlock()
+	m.log.Warn("s3 mirror: no space left on the mirror's filesystem: budget lowered to what it holds, extents evicted to make room",
+		append(fields, zap.Int64("budget", budget))...)
+}
+
+// persistLocked writes the checksums, then the bitmap words, of runs to
+// NAME.meta.
+func (f *mirrorFile) persistLocked(runs []pageRun) error {
+	slices.SortFunc(runs, func(a, b pageRun) int { return cmp.Compare(a.first, b.first) })
+	merged := runs[:0:0]
+	for _, r := range runs {
+		if k := len(merged) - 1; k >= 0 && r.first <= merged[k].end {
+			merged[k].end = max(merged[k].end, r.end)
+			continue
+		}
+		merged = append(merged, r)
+	}
+	for _, r := range merged {
+		raw := make([]byte, 4*(r.end-r.first))
+		for p := r.first; p < r.end; p++ {
+			if c := f.crcs[p/extentPages]; c != nil {
+				binary.LittleEndian.PutUint32(raw[4*(p-r.first):], c[p%extentPages])
+			}
+		}
+		if err := f.m.sys.pwrite(f.meta, raw, f.crcBase+4*r.first); err != nil {
+			return err
+		}
+	}
+	lo, hi := int64(math.MaxInt64), int64(0)
+	for _, r := range merged {
+		lo, hi = min(lo, r.first/64), max(hi, (r.end-1)/64+1)
+	}
+	return f.persistBitsLocked(lo, hi)
+}
+
+// persistBitsLocked writes bitmap words [lo, hi) to NAME.meta.
+func (f *mirrorFile) persistBitsLocked(lo, hi int64) error {
+	if hi <= lo {
+		return nil
+	}
 	raw := make([]byte, 8*(hi-lo))
 	for i := lo; i < hi; i++ {
 		binary.LittleEndian.PutUint64(raw[8*(i-lo):], f.bits[i])
 	}
-	_, err := f.meta.WriteAt(raw, mirrorHeader+8*lo)
-	return err
+	return f.m.sys.pwrite(f.meta, raw, mirrorHeader+8*lo)
 }
 
 // evictLocked punches out least recently used extents until the mirrored
-// bytes fit the budget. Each extent's bits are cleared, durably, before its
-// bytes are punched. Callers hold m.mu; only the writer calls it.
-func (m *mirror) evictLocked() {
-	for m.used > m.budget {
+// bytes and room more fit the budget. Each extent's bits are cleared,
+// durably, before its bytes are punched. Callers hold m.mu; only the writer
+// calls it.
+func (m *mirror) evictLocked(room int64) {
+	for m.used+room > m.budget {
 		var vf *mirrorFile
 		var vi int
 		var vs int64 = math.MaxInt64
@@ -747,9 +1102,10 @@ func (m *mirror) evictLocked() {
 		for p := first; p <= last; p++ {
 			vf.bits[p/64] &^= 1 << (p % 64)
 		}
-		err := vf.persistLocked(first/64, last/64+1)
+		vf.crcs[vi] = nil
+		err := vf.persistBitsLocked(first/64, last/64+1)
 		if err == nil {
-			err = unix.Fdatasync(int(vf.meta.Fd()))
+			err = m.sys.fdatasync(vf.meta)
 		}
 		vf.mu.Unlock()
 		m.used -= vf.ext[vi].pages * mirrorPage

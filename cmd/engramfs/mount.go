@@ -237,7 +237,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	st := &stats.Counters{}
 	st.ReadEngine = engine.Name()
 	d.st = st
-	source, err := openSource(modelDir, mf, engine, st)
+	source, err := openSource(modelDir, mf, engine, st, log)
 	if err != nil {
 		return nil, err // (a nil *s3source.Source in a Source is not nil: keep it out of d)
 	}

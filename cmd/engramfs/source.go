@@ -100,7 +100,7 @@ func (b *optionalBool) IsBoolFlag() bool { return true }
 
 // openSource opens MODEL_DIR: an object store prefix (s3://bucket/prefix),
 // or a local or NFS directory whose shards engine reads.
-func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Counters) (backing.Source, error) {
+func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Counters, log *zap.Logger) (backing.Source, error) {
 	if !s3source.IsURL(arg) {
 		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set || mf.s3Mirror != "" || mf.s3MirrorSize != "" || mf.s3FillRate != "" {
 			return nil, usagef("--s3-* flags apply only to an s3://bucket/prefix MODEL_DIR, not %s", arg)
@@ -133,6 +133,7 @@ func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Cou
 	}
 	cfg.Mirror = mirror
 	cfg.Mirror.Engine = engine // mirrored pages are read as local shards are
+	cfg.Mirror.Log = log
 	st.ReadEngine = "s3"
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

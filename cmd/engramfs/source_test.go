@@ -25,15 +25,15 @@ func TestOpenSourcePicksByURL(t *testing.T) {
 		return mf
 	}
 	dir := t.TempDir()
-	src, err := openSource(dir, parse(), nil, nil)
+	src, err := openSource(dir, parse(), nil, nil, nil)
 	if _, ok := src.(*backing.LocalSource); err != nil || !ok {
 		t.Fatalf("openSource(%s) = %T, %v; want a local source", dir, src, err)
 	}
 	var ue usageError
-	if _, err := openSource(dir, parse("--s3-endpoint", "http://127.0.0.1:1"), nil, nil); !errors.As(err, &ue) {
+	if _, err := openSource(dir, parse("--s3-endpoint", "http://127.0.0.1:1"), nil, nil, nil); !errors.As(err, &ue) {
 		t.Errorf("--s3-endpoint with a directory: %v, want a usage error", err)
 	}
-	if _, err := openSource("s3://", parse(), nil, nil); !errors.As(err, &ue) {
+	if _, err := openSource("s3://", parse(), nil, nil, nil); !errors.As(err, &ue) {
 		t.Errorf("s3:// without a bucket: %v, want a usage error", err)
 	}
 	if mf := parse("--s3-path-style=false"); !mf.s3PathStyle.set || mf.s3PathStyle.value {
@@ -66,7 +66,7 @@ func TestS3MirrorFlags(t *testing.T) {
 	mdir := t.TempDir()
 	const url = "s3://models/dsv41"
 	args := []string{"--s3-endpoint", "http://127.0.0.1:1", "--s3-mirror", mdir, "--s3-mirror-size", "100GiB"}
-	src, err := openSource(url, parse(args...), nil, &stats.Counters{})
+	src, err := openSource(url, parse(args...), nil, &stats.Counters{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -79,7 +79,7 @@ func TestS3MirrorFlags(t *testing.T) {
 		t.Errorf("mirror %+v, want %s and 100 GiB, no fill", got, mdir)
 	}
 	// The directory is taken: a second mount over it fails.
-	if _, err := openSource(url, parse(args...), nil, &stats.Counters{}); err == nil {
+	if _, err := openSource(url, parse(args...), nil, &stats.Counters{}, nil); err == nil {
 		t.Error("a second source over a mirror directory in use: no error")
 	}
 	var ue usageError
@@ -91,11 +91,11 @@ func TestS3MirrorFlags(t *testing.T) {
 		{"--s3-fill-rate", "50MiB"},
 		{"--s3-mirror", mdir, "--s3-mirror-size", "1GiB", "--s3-fill-rate", "fast"},
 	} {
-		if _, err := openSource(url, parse(bad...), nil, &stats.Counters{}); !errors.As(err, &ue) {
+		if _, err := openSource(url, parse(bad...), nil, &stats.Counters{}, nil); !errors.As(err, &ue) {
 			t.Errorf("%q: %v, want a usage error", bad, err)
 		}
 	}
-	if _, err := openSource(t.TempDir(), parse("--s3-mirror", mdir, "--s3-mirror-size", "1GiB"), nil, nil); !errors.As(err, &ue) {
+	if _, err := openSource(t.TempDir(), parse("--s3-mirror", mdir, "--s3-mirror-size", "1GiB"), nil, nil, nil); !errors.As(err, &ue) {
 		t.Errorf("--s3-mirror with a directory MODEL_DIR: %v, want a usage error", err)
 	}
 }

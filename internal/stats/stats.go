@@ -41,6 +41,10 @@ type Counters struct {
 	S3FillGets         atomic.Uint64
 	S3FillBytes        atomic.Uint64
 	S3FillPreempted    atomic.Uint64
+
+	MirrorChecksumFailures atomic.Uint64
+	MirrorWriteErrors      atomic.Uint64
+	MirrorBudgetBytes      atomic.Int64 // the mirror's budget in force
 	// ReadEngine is set once, before the counters are shared.
 	ReadEngine string
 
@@ -149,6 +153,10 @@ type Snapshot struct {
 	S3FillBytes        uint64 `json:"s3_fill_bytes"`
 	S3FillPreempted    uint64 `json:"s3_fill_preempted"`
 
+	MirrorChecksumFailures uint64 `json:"mirror_checksum_failures"`
+	MirrorWriteErrors      uint64 `json:"mirror_write_errors"`
+	MirrorBudgetBytes      int64  `json:"mirror_budget_bytes"`
+
 	CacheCapacityBytes int64  `json:"cache_capacity_bytes"`
 	CacheUsedBytes     int64  `json:"cache_used_bytes"`
 	CacheHits          uint64 `json:"cache_hits"`
@@ -209,6 +217,10 @@ func (c *Counters) Snapshot() Snapshot {
 		S3FillGets:         c.S3FillGets.Load(),
 		S3FillBytes:        c.S3FillBytes.Load(),
 		S3FillPreempted:    c.S3FillPreempted.Load(),
+
+		MirrorChecksumFailures: c.MirrorChecksumFailures.Load(),
+		MirrorWriteErrors:      c.MirrorWriteErrors.Load(),
+		MirrorBudgetBytes:      c.MirrorBudgetBytes.Load(),
 
 		CacheCapacityBytes: c.CacheCapacityBytes.Load(),
 		CacheUsedBytes:     c.CacheUsedBytes.Load(),
