@@ -140,15 +140,24 @@ func readRows(t *testing.T, d *Daemon, tb *backing.Table, want []byte, rows []ui
 	return pages
 }
 
-// With --s3-mirror, rows read through one mount are read through the next
-// mount over the same mirror directory without a single GET, byte-exact.
-func TestS3MirrorAcrossMounts(t *testing.T) {
+// mirroredS3Model is s3Model with a mirror of 64 MiB in the directory
+// mirror and no hot tier; remount mounts the same URL again over the same
+// mirror.
+func mirroredS3Model(t *testing.T) (d *Daemon, dir, mirror string, remount func() *Daemon) {
+	t.Helper()
 	spec := backing.DefaultSynth()
 	spec.Rows = 2048
-	mirror := t.TempDir()
+	mirror = t.TempDir()
 	args := []string{"--cache-size", "0", "--s3-mirror", mirror, "--s3-mirror-size", "64MiB"}
 	d, dir, srv := s3Model(t, spec, args...)
 	url := d.ModelDir
+	return d, dir, mirror, func() *Daemon { return Mount(t, url, append([]string{"--s3-endpoint", srv.Endpoint}, args...)...) }
+}
+
+// With --s3-mirror, rows read through one mount are read through the next
+// mount over the same mirror directory without a single GET, byte-exact.
+func TestS3MirrorAcrossMounts(t *testing.T) {
+	d, dir, _, remount := mirroredS3Model(t)
 	m := Model(t, dir)
 	rng := rand.New(rand.NewPCG(11, 12))
 	type read struct {
@@ -175,7 +184,7 @@ func TestS3MirrorAcrossMounts(t *testing.T) {
 	}
 	d.Stop(t) // the mirror writes what it queued before the daemon exits
 
-	d = Mount(t, url, append([]string{"--s3-endpoint", srv.Endpoint}, args...)...)
+	d = remount()
 	gets, hits, pages := pass(d)
 	t.Logf("second mount: %d distinct pages read with %d GETs, %d mirror hits", pages, gets, hits)
 	if gets != 0 || hits == 0 {
@@ -234,12 +243,7 @@ func checkBytesPerPage(t *testing.T, d *Daemon, before stats.Snapshot, pages int
 // the mount comes up although the mirrored headers are damaged (it was
 // refused, blaming the intact object, until someone deleted the mirror).
 func TestS3DamagedMirrorServesTheObject(t *testing.T) {
-	spec := backing.DefaultSynth()
-	spec.Rows = 2048
-	mirror := t.TempDir()
-	args := []string{"--cache-size", "0", "--s3-mirror", mirror, "--s3-mirror-size", "64MiB"}
-	d, dir, srv := s3Model(t, spec, args...)
-	url := d.ModelDir
+	d, dir, mirror, remount := mirroredS3Model(t)
 	m := Model(t, dir)
 	readAll := func(d *Daemon) (wrong int) {
 		for _, tb := range m.Tables {
@@ -296,7 +300,7 @@ func TestS3DamagedMirrorServesTheObject(t *testing.T) {
 		f.Close()
 	}
 
-	d = Mount(t, url, append([]string{"--s3-endpoint", srv.Endpoint}, args...)...)
+	d = remount()
 	if wrong := readAll(d); wrong != 0 {
 		t.Errorf("over the damaged mirror: %d wrong rows", wrong)
 	}

@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 	"golang.org/x/sys/unix"
 
+	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/internal/stats"
 	"github.com/engramfs/engramfs/internal/testenv"
 )
@@ -36,6 +37,25 @@ func loggedMirrorSource(t *testing.T, f *fakeStore, dir string, budget int64) (*
 	return src, st, logs
 }
 
+// fakeMirrorObject is a fake store holding mirrorObject(seed) as mirrorKey.
+func fakeMirrorObject(t *testing.T, seed uint64) (*fakeStore, []byte) {
+	f := newFakeStore()
+	want := mirrorObject(t, seed)
+	f.put("m/"+mirrorKey, want)
+	return f, want
+}
+
+// openMirrored is loggedMirrorSource with mirrorKey opened.
+func openMirrored(t *testing.T, f *fakeStore, dir string, budget int64) (*Source, *stats.Counters, backing.ShardFile, *observer.ObservedLogs) {
+	t.Helper()
+	src, st, logs := loggedMirrorSource(t, f, dir, budget)
+	sf, err := src.Open(mirrorKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return src, st, sf, logs
+}
+
 func mirrorDataPath(dir string) string { return filepath.Join(dir, url.PathEscape(mirrorKey)+".data") }
 
 // Damage between two mounts, as a disk or an operator can do it: random
@@ -44,15 +64,9 @@ func mirrorDataPath(dir string) string { return filepath.Join(dir, url.PathEscap
 // object and mirrored again, and served from the mirror after that, also
 // after the next remount.
 func TestMirrorDamagedPagesAreFetchedAgain(t *testing.T) {
-	f := newFakeStore()
-	want := mirrorObject(t, 21)
-	f.put("m/"+mirrorKey, want)
+	f, want := fakeMirrorObject(t, 21)
 	dir := t.TempDir()
-	src, _, _ := loggedMirrorSource(t, f, dir, 64<<20)
-	sf, err := src.Open(mirrorKey)
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, _, sf, _ := openMirrored(t, f, dir, 64<<20)
 	var offs []int64 // a page every 64 KiB: 257 pages, the short last one included
 	for off := int64(0); off < int64(len(want)); off += 64 << 10 {
 		offs = append(offs, off)
@@ -87,11 +101,7 @@ func TestMirrorDamagedPagesAreFetchedAgain(t *testing.T) {
 	}
 	df.Close()
 
-	src, st, logs := loggedMirrorSource(t, f, dir, 64<<20)
-	sf, err = src.Open(mirrorKey)
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, st, sf, logs := openMirrored(t, f, dir, 64<<20)
 	check(t, sf, want, offs, 1000)
 	if got := st.MirrorChecksumFailures.Load(); got != uint64(damaged) {
 		t.Errorf("mirror_checksum_failures %d, want the %d damaged pages", got, damaged)
@@ -110,11 +120,7 @@ func TestMirrorDamagedPagesAreFetchedAgain(t *testing.T) {
 	}
 	closeAll(t, sf, src)
 
-	src, st, _ = loggedMirrorSource(t, f, dir, 64<<20)
-	sf, err = src.Open(mirrorKey)
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, st, sf, _ = openMirrored(t, f, dir, 64<<20)
 	check(t, sf, want, offs, 1000)
 	if st.S3Gets.Load() != 0 || st.MirrorChecksumFailures.Load() != 0 {
 		t.Errorf("after the repair and a remount: %d GETs, %d checksum failures; want 0 and 0", st.S3Gets.Load(), st.MirrorChecksumFailures.Load())
@@ -125,15 +131,9 @@ func TestMirrorDamagedPagesAreFetchedAgain(t *testing.T) {
 // A damaged mirrored header (ReadAt, which model loading uses) is read
 // from the object: the intact object is never blamed for the mirror.
 func TestMirrorDamagedHeaderIsFetchedAgain(t *testing.T) {
-	f := newFakeStore()
-	want := mirrorObject(t, 24)
-	f.put("m/"+mirrorKey, want)
+	f, want := fakeMirrorObject(t, 24)
 	dir := t.TempDir()
-	src, _, _ := loggedMirrorSource(t, f, dir, 64<<20)
-	sf, err := src.Open(mirrorKey)
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, _, sf, _ := openMirrored(t, f, dir, 64<<20)
 	hdr := make([]byte, 6000)
 	if _, err := sf.ReadAt(hdr, 8); err != nil {
 		t.Fatal(err)
@@ -148,11 +148,7 @@ func TestMirrorDamagedHeaderIsFetchedAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	df.Close()
-	src, st, _ := loggedMirrorSource(t, f, dir, 64<<20)
-	sf, err = src.Open(mirrorKey)
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, st, sf, _ := openMirrored(t, f, dir, 64<<20)
 	if n, err := sf.ReadAt(hdr, 8); err != nil || n != len(hdr) || !bytes.Equal(hdr, want[8:8+len(hdr)]) {
 		t.Fatalf("ReadAt over a damaged mirrored page: %d, %v, or wrong bytes", n, err)
 	}
@@ -165,9 +161,7 @@ func TestMirrorDamagedHeaderIsFetchedAgain(t *testing.T) {
 // A mirror written before pages had checksums (format EGMIRR01) is
 // discarded, with a log line: its bytes cannot be checked.
 func TestMirrorOldFormatIsDiscarded(t *testing.T) {
-	f := newFakeStore()
-	want := mirrorObject(t, 25)
-	f.put("m/"+mirrorKey, want)
+	f, want := fakeMirrorObject(t, 25)
 	_, etag, _ := f.Head(context.Background(), "m/"+mirrorKey)
 	dir := t.TempDir()
 	pages := (int64(len(want)) + mirrorPage - 1) / mirrorPage
@@ -187,11 +181,7 @@ func TestMirrorOldFormatIsDiscarded(t *testing.T) {
 	if err := os.WriteFile(base+".data", make([]byte, len(want)), 0o600); err != nil { // zeros
 		t.Fatal(err)
 	}
-	src, st, logs := loggedMirrorSource(t, f, dir, 64<<20)
-	sf, err := src.Open(mirrorKey)
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, st, sf, logs := openMirrored(t, f, dir, 64<<20)
 	check(t, sf, want, []int64{0, 5 << 20}, 4096)
 	if st.MirrorHits.Load() != 0 {
 		t.Errorf("%d hits from a mirror of the old format", st.MirrorHits.Load())
@@ -237,9 +227,7 @@ func (r *recordingSys) fdatasync(f *os.File) error {
 // A crash at any point then leaves no bit over bytes that may not be on
 // disk (the mirror would serve zeros for them).
 func TestMirrorBitsFollowDurableData(t *testing.T) {
-	f := newFakeStore()
-	want := mirrorObject(t, 26)
-	f.put("m/"+mirrorKey, want)
+	f, want := fakeMirrorObject(t, 26)
 	src, _, _ := loggedMirrorSource(t, f, t.TempDir(), 4<<20)
 	rec := &recordingSys{}
 	src.mir.sys = rec
@@ -291,9 +279,7 @@ func TestMirrorOutOfSpace(t *testing.T) {
 	}
 	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
 	mdir := filepath.Join(dir, "mirror")
-	f := newFakeStore()
-	want := mirrorObject(t, 27)
-	f.put("m/"+mirrorKey, want)
+	f, want := fakeMirrorObject(t, 27)
 	src, st, logs := loggedMirrorSource(t, f, mdir, 64<<20)
 	if b := int64(st.MirrorBudgetBytes.Load()); b <= 0 || b > fsSize {
 		t.Errorf("mirror_budget_bytes %d on a %d-byte filesystem, with --s3-mirror-size 64MiB", b, fsSize)
