@@ -29,6 +29,7 @@ const (
 	faultTruncated        // the body ends early
 	faultWhole200         // a 200 with the whole object to a range request
 	faultWrongRange       // a 206 for other bytes than asked
+	faultStallBody        // half the body, then nothing until the GET is canceled
 )
 
 // fakeStore is an in-memory object store with injected faults and latency:
@@ -177,8 +178,18 @@ func (f *fakeStore) GetRange(ctx context.Context, key string, off, n int64, etag
 		r = bytes.NewReader(body[:len(body)/2])
 	case faultResetBody:
 		r = io.MultiReader(bytes.NewReader(body[:len(body)/2]), errReader{syscall.ECONNRESET})
+	case faultStallBody:
+		r = io.MultiReader(bytes.NewReader(body[:len(body)/2]), stallReader{ctx})
 	}
 	return io.NopCloser(r), nil
+}
+
+// stallReader blocks until ctx ends, as a body whose sender went quiet.
+type stallReader struct{ ctx context.Context }
+
+func (s stallReader) Read([]byte) (int, error) {
+	<-s.ctx.Done()
+	return 0, s.ctx.Err()
 }
 
 type errReader struct{ err error }

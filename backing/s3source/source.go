@@ -49,6 +49,13 @@ type Config struct {
 	Backoff  time.Duration
 	// AttemptTimeout bounds one GET, body included (default 30 s).
 	AttemptTimeout time.Duration
+	// StallTimeout bounds the wait for a GET's headers, and then for each
+	// next byte of its body (default 2 s): a GET that makes no progress
+	// for that long is given up and retried. A body that stalled after its
+	// headers was never hedged (a hedge waits for a first byte only) and
+	// cost the whole attempt timeout: one mount took 30 s, 600 serial
+	// reads 200 s.
+	StallTimeout time.Duration
 	// HedgeFloor is the least wait for a first byte before a hedge
 	// (default 5 ms); HedgePercent bounds hedges to this percentage of GETs
 	// (default 5). HedgePercent 0 turns hedging off.
@@ -62,7 +69,7 @@ type Config struct {
 func DefaultConfig() Config {
 	return Config{
 		Concurrency: 64, MergeGap: 64 << 10, MaxGet: 1 << 20, MergeWaste: 0.25,
-		Attempts: 4, Backoff: 20 * time.Millisecond, AttemptTimeout: 30 * time.Second,
+		Attempts: 4, Backoff: 20 * time.Millisecond, AttemptTimeout: 30 * time.Second, StallTimeout: 2 * time.Second,
 		HedgeFloor: 5 * time.Millisecond, HedgePercent: 5,
 	}
 }
@@ -149,6 +156,9 @@ func withDefaults(cfg Config) Config {
 	if cfg.AttemptTimeout <= 0 {
 		cfg.AttemptTimeout = d.AttemptTimeout
 	}
+	if cfg.StallTimeout <= 0 {
+		cfg.StallTimeout = d.StallTimeout
+	}
 	if cfg.HedgeFloor <= 0 {
 		cfg.HedgeFloor = d.HedgeFloor
 	}
@@ -191,6 +201,9 @@ func (s *Source) Close() error {
 }
 
 func (s *Source) String() string { return strings.TrimSuffix(s.url, "/") }
+
+// Config is how the source reads, its defaults filled in.
+func (s *Source) Config() Config { return s.cfg }
 
 // List lists the objects directly under the prefix whose names end in
 // suffix, sorted.
@@ -574,6 +587,8 @@ func (sh *shard) attempt(ctx context.Context, off, n int64, tm timing, headers f
 	defer s.slots.release()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.AttemptTimeout)
 	defer cancel()
+	stall := watchProgress(s.cfg.StallTimeout, cancel)
+	defer stall.stop()
 	s.st.S3Gets.Add(1)
 	start := time.Now()
 	body, err := s.c.GetRange(ctx, sh.key, off, n, sh.id.ETag)
@@ -584,20 +599,62 @@ func (sh *shard) attempt(ctx context.Context, off, n int64, tm timing, headers f
 			// GETs would never be counted and the p97 would sink.
 			s.sample(tm, start)
 		}
+		if stall.stalled() {
+			return attemptResult{err: retryablef("GET %s: range [%d, +%d): no answer within %v", sh.key, off, n, s.cfg.StallTimeout)}
+		}
 		return attemptResult{err: timedOut(ctx, err)}
 	}
+	stall.progress()
 	s.sample(tm, start)
 	if headers != nil {
 		headers()
 	}
 	buf := make([]byte, n)
-	got, err := io.ReadFull(body, buf)
+	got, err := io.ReadFull(progressReader{body, stall}, buf)
 	body.Close()
 	s.st.S3GetBytes.Add(uint64(got))
-	if err != nil {
+	switch {
+	case err != nil && stall.stalled():
+		return attemptResult{err: retryablef("GET %s: range [%d, +%d): the body stalled at %d bytes: no byte for %v", sh.key, off, n, got, s.cfg.StallTimeout)}
+	case err != nil:
 		return attemptResult{err: timedOut(ctx, retryablef("GET %s: range [%d, +%d): body cut short at %d bytes: %v", sh.key, off, n, got, err))}
 	}
 	return attemptResult{buf: buf}
+}
+
+// progressWatch cancels a GET that makes no progress (headers, then body
+// bytes) for its timeout.
+type progressWatch struct {
+	t       *time.Timer
+	d       time.Duration
+	expired atomic.Bool
+}
+
+func watchProgress(d time.Duration, cancel context.CancelFunc) *progressWatch {
+	w := &progressWatch{d: d}
+	w.t = time.AfterFunc(d, func() { w.expired.Store(true); cancel() })
+	return w
+}
+
+// progress restarts the wait: something arrived.
+func (w *progressWatch) progress() { w.t.Reset(w.d) }
+
+func (w *progressWatch) stalled() bool { return w.expired.Load() }
+
+func (w *progressWatch) stop() { w.t.Stop() }
+
+// progressReader reports every read that brought bytes to its watch.
+type progressReader struct {
+	r io.Reader
+	w *progressWatch
+}
+
+func (p progressReader) Read(b []byte) (int, error) {
+	n, err := p.r.Read(b)
+	if n > 0 {
+		p.w.progress()
+	}
+	return n, err
 }
 
 // timing is how a GET's first byte is sampled: the latency class it

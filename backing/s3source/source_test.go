@@ -3,6 +3,7 @@ package s3source
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -470,6 +471,39 @@ func TestHedgedPrimaryCountsItsWait(t *testing.T) {
 	// The primary is sampled last: get returns once it has stopped.
 	if waited := samples[len(samples)-1]; waited < delay {
 		t.Errorf("the stopped primary counted %v, want at least the %v it waited before its hedge", waited, delay)
+	}
+}
+
+// A body that stalls after its headers (and half its bytes) is given up
+// after StallTimeout without a byte, and the read is retried: with only the
+// attempt timeout (an hour here; 30 s by default) it waited that long, for
+// demand and prefetch reads alike (the hedge waits for a first byte only).
+func TestStalledBodyIsRetried(t *testing.T) {
+	dir := synth(t)
+	for _, demand := range []bool{true, false} {
+		t.Run(fmt.Sprintf("demand=%v", demand), func(t *testing.T) {
+			cfg := testConfig()
+			cfg.AttemptTimeout = time.Hour
+			cfg.StallTimeout = 50 * time.Millisecond
+			src, f, st := newFakeSource(t, dir, cfg)
+			f.fault = func(g getReq, nth int) fault {
+				if nth == 0 {
+					return faultStallBody
+				}
+				return faultNone
+			}
+			want, sf := shardBytes(t, dir, src)
+			offs := []int64{0, 1 << 20}
+			data, errs := readPagesAs(t, sf, offs, 4096, demand)
+			for i, off := range offs {
+				if errs[i] != nil || !bytes.Equal(data[i], want[off:off+4096]) {
+					t.Fatalf("read at %d behind a stalled body: %v, or wrong bytes", off, errs[i])
+				}
+			}
+			if st.S3Retries.Load() < uint64(len(offs)) {
+				t.Errorf("%d retries for %d stalled bodies", st.S3Retries.Load(), len(offs))
+			}
+		})
 	}
 }
 

@@ -29,6 +29,9 @@ type s3Flags struct {
 	s3Mirror     string
 	s3MirrorSize string
 	s3FillRate   string
+	// How long a GET may take, and may go without progress.
+	s3AttemptTimeout string
+	s3StallTimeout   string
 }
 
 func (f *s3Flags) register(fl interface {
@@ -46,6 +49,34 @@ func (f *s3Flags) register(fl interface {
 		"s3:// MODEL_DIR: the most bytes --s3-mirror holds, e.g. 100GiB (least recently used 2 MiB extents are punched out)")
 	fl.StringVar(&f.s3FillRate, "s3-fill-rate", "",
 		"s3:// MODEL_DIR: copy the shards' pages not mirrored yet into --s3-mirror in the background at most this many bytes a second, e.g. 50MiB, in GET slots no read waits for, until the mirror is full (default 0: off)")
+	fl.StringVar(&f.s3AttemptTimeout, "s3-attempt-timeout", "",
+		"s3:// MODEL_DIR: the longest one GET may take, body included, before it is retried, e.g. 10s (default 30s)")
+	fl.StringVar(&f.s3StallTimeout, "s3-stall-timeout", "",
+		"s3:// MODEL_DIR: the longest a GET may wait for its answer, then for each next byte of its body, before it is given up and retried, e.g. 1s (default 2s)")
+}
+
+// timeouts reads --s3-attempt-timeout and --s3-stall-timeout into cfg.
+func (f *s3Flags) timeouts(cfg *s3source.Config) error {
+	for _, d := range []struct {
+		flag, value string
+		to          *time.Duration
+	}{
+		{"--s3-attempt-timeout", f.s3AttemptTimeout, &cfg.AttemptTimeout},
+		{"--s3-stall-timeout", f.s3StallTimeout, &cfg.StallTimeout},
+	} {
+		if d.value == "" {
+			continue
+		}
+		v, err := time.ParseDuration(d.value)
+		if err != nil || v <= 0 {
+			return usagef("%s %q: want a duration such as 10s or 500ms", d.flag, d.value)
+		}
+		*d.to = v
+	}
+	if cfg.StallTimeout > cfg.AttemptTimeout {
+		return usagef("--s3-stall-timeout %v is longer than --s3-attempt-timeout %v: it would never apply", cfg.StallTimeout, cfg.AttemptTimeout)
+	}
+	return nil
 }
 
 // mirrorConfig reads --s3-mirror, --s3-mirror-size and --s3-fill-rate.
@@ -102,7 +133,8 @@ func (b *optionalBool) IsBoolFlag() bool { return true }
 // or a local or NFS directory whose shards engine reads.
 func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Counters, log *zap.Logger) (backing.Source, error) {
 	if !s3source.IsURL(arg) {
-		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set || mf.s3Mirror != "" || mf.s3MirrorSize != "" || mf.s3FillRate != "" {
+		if mf.s3Endpoint != "" || mf.s3Region != "" || mf.s3PathStyle.set || mf.s3Mirror != "" || mf.s3MirrorSize != "" || mf.s3FillRate != "" ||
+			mf.s3AttemptTimeout != "" || mf.s3StallTimeout != "" {
 			return nil, usagef("--s3-* flags apply only to an s3://bucket/prefix MODEL_DIR, not %s", arg)
 		}
 		mode, err := backing.ParseIOMode(mf.backingIO)
@@ -126,6 +158,9 @@ func openSource(arg string, mf mountFlags, engine ioengine.Engine, st *stats.Cou
 	cfg.Client = s3source.ClientConfig{Endpoint: mf.s3Endpoint, Region: mf.s3Region, PathStyle: mf.s3Endpoint != ""}
 	if mf.s3PathStyle.set {
 		cfg.Client.PathStyle = mf.s3PathStyle.value
+	}
+	if err := mf.timeouts(&cfg); err != nil {
+		return nil, err
 	}
 	mirror, err := mf.mirrorConfig()
 	if err != nil {

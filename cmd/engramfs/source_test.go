@@ -7,6 +7,7 @@ import (
 	"os"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/s3source"
@@ -134,5 +135,57 @@ func TestS3FillRateFlag(t *testing.T) {
 	flags, _, err := mountArgs(helperArgs{options: []string{"s3_mirror=/m", "s3_mirror_size=1GiB", "s3_fill_rate=50MiB"}}, io.Discard)
 	if err != nil || !slices.Contains(flags, "--s3-fill-rate=50MiB") {
 		t.Errorf("-o s3_fill_rate=50MiB: %q, %v", flags, err)
+	}
+}
+
+// --s3-attempt-timeout and --s3-stall-timeout reach the source; bad values
+// are usage errors; the defaults are the source's.
+func TestS3TimeoutFlags(t *testing.T) {
+	t.Setenv("AWS_ACCESS_KEY_ID", "test")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+	t.Setenv("AWS_CONFIG_FILE", os.DevNull)
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	t.Setenv("AWS_EC2_METADATA_DISABLED", "true")
+	open := func(args ...string) (*s3source.Source, error) {
+		fl := flag.NewFlagSet("mount", flag.ContinueOnError)
+		fl.SetOutput(io.Discard)
+		var mf mountFlags
+		mf.register(fl)
+		if err := fl.Parse(append([]string{"--s3-endpoint", "http://127.0.0.1:1"}, args...)); err != nil {
+			t.Fatal(err)
+		}
+		mf.queueDepth = 8
+		src, err := openSource("s3://models/m", mf, nil, &stats.Counters{}, nil)
+		if err != nil {
+			return nil, err
+		}
+		return src.(*s3source.Source), nil
+	}
+	src, err := open()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := s3source.DefaultConfig(); src.Config().AttemptTimeout != d.AttemptTimeout || src.Config().StallTimeout != d.StallTimeout {
+		t.Errorf("defaults: %v and %v, want %v and %v", src.Config().AttemptTimeout, src.Config().StallTimeout, d.AttemptTimeout, d.StallTimeout)
+	}
+	src, err = open("--s3-attempt-timeout", "10s", "--s3-stall-timeout", "750ms")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := src.Config(); c.AttemptTimeout != 10*time.Second || c.StallTimeout != 750*time.Millisecond {
+		t.Errorf("--s3-attempt-timeout 10s --s3-stall-timeout 750ms: %v and %v", c.AttemptTimeout, c.StallTimeout)
+	}
+	var ue usageError
+	for _, bad := range [][]string{
+		{"--s3-attempt-timeout", "soon"}, {"--s3-attempt-timeout", "0s"}, {"--s3-stall-timeout", "-1s"},
+		{"--s3-attempt-timeout", "1s", "--s3-stall-timeout", "5s"},
+	} {
+		if _, err := open(bad...); !errors.As(err, &ue) {
+			t.Errorf("%q: %v, want a usage error", bad, err)
+		}
+	}
+	flags, _, err := mountArgs(helperArgs{options: []string{"s3_attempt_timeout=10s", "s3_stall_timeout=1s"}}, io.Discard)
+	if err != nil || !slices.Contains(flags, "--s3-attempt-timeout=10s") || !slices.Contains(flags, "--s3-stall-timeout=1s") {
+		t.Errorf("-o s3_attempt_timeout=10s,s3_stall_timeout=1s: %q, %v", flags, err)
 	}
 }

@@ -108,7 +108,7 @@ var Fields = []Field{
 		"Body bytes received from the object store, those of cut-short and losing hedged GETs included.",
 		"s3_get_bytes_total"},
 	{"s3_retries", Counter, "GETs", GroupS3, "GETs sent again after a transient failure",
-		"GETs sent again after a retryable failure: 5xx, 429, connection reset, truncated body, a 200 to a range request, or an attempt timeout.",
+		"GETs sent again after a retryable failure: 5xx, 429, connection reset, truncated body, a 200 to a range request, an attempt timeout, or a GET that went --s3-stall-timeout without progress.",
 		"s3_retries_total"},
 	{"s3_hedges", Counter, "GETs", GroupS3, "second GETs for slow demand reads",
 		"Second GETs sent because a demand read's (a fault's or a decode hint's) first GET had no answer after the adaptive p97 latency of recent demand GETs (prefill GETs are never hedged).",
