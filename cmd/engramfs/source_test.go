@@ -48,11 +48,7 @@ func TestOpenSourcePicksByURL(t *testing.T) {
 // --s3-mirror and --s3-mirror-size reach the source, together only, with
 // an s3:// MODEL_DIR only.
 func TestS3MirrorFlags(t *testing.T) {
-	t.Setenv("AWS_ACCESS_KEY_ID", "test")
-	t.Setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
-	t.Setenv("AWS_CONFIG_FILE", os.DevNull)
-	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
-	t.Setenv("AWS_EC2_METADATA_DISABLED", "true")
+	fakeAWSEnv(t)
 	parse := func(args ...string) mountFlags {
 		fl := flag.NewFlagSet("mount", flag.ContinueOnError)
 		fl.SetOutput(io.Discard)
@@ -141,11 +137,7 @@ func TestS3FillRateFlag(t *testing.T) {
 // --s3-attempt-timeout and --s3-stall-timeout reach the source; bad values
 // are usage errors; the defaults are the source's.
 func TestS3TimeoutFlags(t *testing.T) {
-	t.Setenv("AWS_ACCESS_KEY_ID", "test")
-	t.Setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
-	t.Setenv("AWS_CONFIG_FILE", os.DevNull)
-	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
-	t.Setenv("AWS_EC2_METADATA_DISABLED", "true")
+	fakeAWSEnv(t)
 	open := func(args ...string) (*s3source.Source, error) {
 		fl := flag.NewFlagSet("mount", flag.ContinueOnError)
 		fl.SetOutput(io.Discard)
@@ -188,4 +180,14 @@ func TestS3TimeoutFlags(t *testing.T) {
 	if err != nil || !slices.Contains(flags, "--s3-attempt-timeout=10s") || !slices.Contains(flags, "--s3-stall-timeout=1s") {
 		t.Errorf("-o s3_attempt_timeout=10s,s3_stall_timeout=1s: %q, %v", flags, err)
 	}
+}
+
+// fakeAWSEnv gives the SDK credentials and no files or metadata service to
+// look for others in.
+func fakeAWSEnv(t *testing.T) {
+	t.Setenv("AWS_ACCESS_KEY_ID", "test")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
+	t.Setenv("AWS_CONFIG_FILE", os.DevNull)
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	t.Setenv("AWS_EC2_METADATA_DISABLED", "true")
 }
