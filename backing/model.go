@@ -113,6 +113,15 @@ func Load(dir, pattern string) (*Model, error) {
 
 // LoadSource reads a model from src, as Load does from a directory.
 func LoadSource(src Source, pattern string) (*Model, error) {
+	return LoadSourceChecked(src, pattern, nil)
+}
+
+// LoadSourceChecked is LoadSource with check (when not nil) called once the
+// number of tables and of the shards that hold them is known, before the
+// tables are built; with an index, before any shard is opened. An error
+// from check ends the load: the caller can refuse a model it cannot serve
+// (its descriptor limit, say) before paying for it.
+func LoadSourceChecked(src Source, pattern string, check func(tables, shards int) error) (*Model, error) {
 	re, err := regexp.Compile(pattern)
 	if err != nil {
 		return nil, fmt.Errorf("table pattern %q: %w", pattern, err)
@@ -195,6 +204,15 @@ func LoadSource(src Source, pattern string) (*Model, error) {
 		}
 	}
 
+	if check != nil {
+		holding := map[string]bool{}
+		for _, shard := range wanted {
+			holding[shard] = true
+		}
+		if err := check(len(wanted), len(holding)); err != nil {
+			return nil, fmt.Errorf("model %s: %w", dir, err)
+		}
+	}
 	m := &Model{Dir: dir, rows: map[int]uint64{}, byLayer: map[int][]*Table{}}
 	names := make([]string, 0, len(wanted))
 	for n := range wanted {

@@ -373,6 +373,41 @@ func TestLoadRefusesTableNameOutsideMount(t *testing.T) {
 	}
 }
 
+// The check of LoadSourceChecked hears the tables and the shards holding
+// them, before any shard is opened when there is an index (after the
+// headers without one), and its refusal ends the load.
+func TestLoadSourceCheckedCountsFirst(t *testing.T) {
+	spec := smallSynth()
+	spec.Layers = 3
+	for _, glob := range []bool{false, true} {
+		t.Run(fmt.Sprintf("glob=%v", glob), func(t *testing.T) {
+			dir := synthDir(t, spec)
+			if glob {
+				os.Remove(filepath.Join(dir, IndexFile))
+			}
+			ino := watchOpens(t, dir)
+			var tables, shards int
+			refusal := errors.New("too many for this test")
+			m, err := LoadSourceChecked(NewLocalSource(dir, IOBuffered, nil, nil), DefaultTablePattern, func(t, s int) error {
+				tables, shards = t, s
+				return refusal
+			})
+			if !errors.Is(err, refusal) || m != nil {
+				t.Fatalf("LoadSourceChecked with a refusing check: %v", err)
+			}
+			if tables != 2*spec.Layers || shards != spec.Layers {
+				t.Errorf("check heard %d tables in %d shards, want %d in %d", tables, shards, 2*spec.Layers, spec.Layers)
+			}
+			if n := ino.opens(t); !glob && n != 2 { // the index's open and read
+				t.Errorf("%d opens and reads in the model directory before the check, want the index's 2", n)
+			}
+			if m, err := LoadSourceChecked(NewLocalSource(dir, IOBuffered, nil, nil), DefaultTablePattern, func(int, int) error { return nil }); err != nil || len(m.Tables) != 2*spec.Layers {
+				t.Fatalf("LoadSourceChecked with a check that passes: %v", err)
+			}
+		})
+	}
+}
+
 type inotifyWatch struct{ fd int }
 
 func watchOpens(t *testing.T, dir string) inotifyWatch {

@@ -14,6 +14,9 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/engramfs/engramfs/internal/cli"
+	// Refuses, with a message, a descriptor limit too low to start, before
+	// go-fuse's init panics on it.
+	_ "github.com/engramfs/engramfs/internal/nofile"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".

@@ -242,7 +242,9 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		return nil, err // (a nil *s3source.Source in a Source is not nil: keep it out of d)
 	}
 	d.source = source
-	model, err := backing.LoadSource(d.source, mf.tablePattern)
+	model, err := backing.LoadSourceChecked(d.source, mf.tablePattern, func(tables, shards int) error {
+		return checkDescriptors(modelDir, mf, tables, shards)
+	})
 	if err != nil {
 		return nil, err
 	}
