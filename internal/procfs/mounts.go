@@ -10,6 +10,12 @@ type Mount struct {
 	Point  string // where it is mounted, octal escapes decoded
 	FSType string // e.g. "fuse.engramfs", "ext4"
 	Source string // e.g. "/dev/vda", or what the FUSE daemon named it
+	// Root is the directory of the filesystem mounted at Point ("/" for
+	// all of it; a cgroup namespace's own part of a hierarchy).
+	Root string
+	// Options are the super options: for a v1 cgroup hierarchy they name
+	// its controllers ("rw,memory").
+	Options string
 }
 
 // Mounts is this process's mount table (its mount namespace), from
@@ -42,7 +48,11 @@ func ParseMountinfo(b []byte) []Mount {
 		if len(f) < 5 || sep < 0 || sep+2 >= len(f) {
 			continue // not a mount line: the kernel writes none
 		}
-		ms = append(ms, Mount{Point: unescape(f[4]), FSType: f[sep+1], Source: unescape(f[sep+2])})
+		m := Mount{Point: unescape(f[4]), FSType: f[sep+1], Source: unescape(f[sep+2]), Root: unescape(f[3])}
+		if sep+3 < len(f) {
+			m.Options = f[sep+3]
+		}
+		ms = append(ms, m)
 	}
 	return ms
 }

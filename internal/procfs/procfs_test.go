@@ -131,9 +131,15 @@ func TestMountinfo(t *testing.T) {
 	info := []byte(`22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
 35 22 0:31 / /tmp/a\040b rw,nosuid master:3 shared:9 - fuse.engramfs engramfs rw,user_id=0
 36 22 0:32 / /tmp/a\040bc rw - tmpfs tmpfs rw
+36 22 0:33 /process_api /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory
 `)
 	ms := ParseMountinfo(info)
-	want := []Mount{{"/", "ext4", "/dev/vda"}, {"/tmp/a b", "fuse.engramfs", "engramfs"}, {"/tmp/a bc", "tmpfs", "tmpfs"}}
+	want := []Mount{
+		{Point: "/", FSType: "ext4", Source: "/dev/vda", Root: "/", Options: "rw"},
+		{Point: "/tmp/a b", FSType: "fuse.engramfs", Source: "engramfs", Root: "/", Options: "rw,user_id=0"},
+		{Point: "/tmp/a bc", FSType: "tmpfs", Source: "tmpfs", Root: "/", Options: "rw"},
+		{Point: "/sys/fs/cgroup/memory", FSType: "cgroup", Source: "cgroup", Root: "/process_api", Options: "rw,memory"},
+	}
 	if len(ms) != len(want) {
 		t.Fatalf("mounts = %+v", ms)
 	}
