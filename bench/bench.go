@@ -21,6 +21,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -61,6 +62,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 
 	paths := cfg.Paths
+	if cfg.Serve.Only {
+		paths = nil
+	}
 	if cfg.needsMount() {
 		if err := daemonproc.CanMount(); err != nil {
 			note("engramfs paths skipped: %v", err)
@@ -83,9 +87,24 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 
 	// Every model first: the disk limit is measured over all their shards.
-	dirs := make([]string, len(cfg.Geometries))
+	// The serving loop's models are the first ones of their size (the
+	// issue's ~3 GB of tables) or the paths' (--quick).
+	var models []Geometry
+	if !cfg.Serve.Only {
+		models = cfg.Geometries
+	}
+	main := len(models)
+	if !cfg.Serve.Skip {
+		for _, g := range cfg.Serve.Geometries {
+			if !slices.ContainsFunc(models, func(h Geometry) bool { return h.DirName() == g.DirName() }) {
+				models = append(models, g)
+			}
+		}
+	}
+	dirs := make([]string, len(models))
+	modelDirs := map[string]string{} // by Geometry.DirName
 	var shards []string
-	for i, g := range cfg.Geometries {
+	for i, g := range models {
 		prog.setPhase("%s: model", g.Name)
 		t0 := time.Now()
 		dir, generated, err := EnsureModel(ctx, cfg.ModelRoot, g, cfg.Seed, func(done, total int64) {
@@ -94,13 +113,16 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		if err != nil {
 			return rep, err
 		}
-		dirs[i] = dir
+		dirs[i], modelDirs[g.DirName()] = dir, dir
+		rep.Models = append(rep.Models, ModelFiles{Dir: dir, Bytes: dirBytes(dir)})
 		gr := &GeometryReport{Geometry: g, ModelDir: dir}
 		if generated {
 			gr.Generated = time.Since(t0)
 			prog.printf("generated %s in %v", dir, gr.Generated.Round(time.Second))
 		}
-		rep.Geometries = append(rep.Geometries, gr)
+		if i < main {
+			rep.Geometries = append(rep.Geometries, gr)
+		}
 		ents, err := filepath.Glob(filepath.Join(dir, "model-*.safetensors"))
 		if err != nil {
 			return rep, err
@@ -131,8 +153,8 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 
 	drop := &dropper{mode: cfg.Drop}
-	for i, g := range cfg.Geometries {
-		gr := rep.Geometries[i]
+	for i, gr := range rep.Geometries {
+		g := gr.Geometry
 		run, err := newGeomRun(&cfg, g, dirs[i], drop, prog, rep.Settings.DaemonFlags)
 		if err != nil {
 			return rep, err
@@ -174,8 +196,16 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			}
 		}
 	}
-	if rep.ObjectStore == nil && !cfg.ObjectStore.Skip {
+	if rep.ObjectStore == nil && !cfg.ObjectStore.Skip && !cfg.Serve.Only {
 		rep.ObjectStore = &ObjectStoreReport{Skipped: "the big geometry was not measured"}
+	}
+	if !cfg.Serve.Skip {
+		var err error
+		rep.Serve, err = serveRun(ctx, &cfg, modelDirs, rep.Settings.DaemonFlags, drop, prog, note)
+		if err != nil {
+			rep.finish(cfg.QueueDepth)
+			return rep, err
+		}
 	}
 	if err := measureDisk("end"); err != nil {
 		return rep, err
@@ -271,21 +301,14 @@ func describeDisk(dir string) string {
 		}
 		dir = filepath.Dir(dir)
 	}
-	mounts, err := procfs.Mounts()
-	if err != nil {
+	m, ok := mountOf(dir)
+	if !ok {
 		return "unknown disk"
 	}
-	best, desc := "", "unknown disk"
-	for _, m := range mounts {
-		mp := m.Point
-		if (dir == mp || strings.HasPrefix(dir, strings.TrimSuffix(mp, "/")+"/")) && len(mp) > len(best) {
-			best = mp
-			desc = fmt.Sprintf("%s on %s", m.FSType, m.Source)
-			if sz, err := os.ReadFile("/sys/class/block/" + filepath.Base(m.Source) + "/size"); err == nil {
-				if n, err := strconv.ParseInt(strings.TrimSpace(string(sz)), 10, 64); err == nil {
-					desc += fmt.Sprintf(" (%s)", fmtBytes(float64(n*512)))
-				}
-			}
+	desc := fmt.Sprintf("%s on %s", m.FSType, m.Source)
+	if sz, err := os.ReadFile("/sys/class/block/" + filepath.Base(m.Source) + "/size"); err == nil {
+		if n, err := strconv.ParseInt(strings.TrimSpace(string(sz)), 10, 64); err == nil {
+			desc += fmt.Sprintf(" (%s)", fmtBytes(float64(n*512)))
 		}
 	}
 	return desc

@@ -39,6 +39,7 @@ func tinyConfig(t *testing.T) Config {
 	c.PreadWorkers = 4
 	c.Drop = DropFiles
 	c.ObjectStore.Skip = true // TestObjectStoreRunTiny runs it
+	c.Serve.Skip = true       // TestServeTiny runs it
 	return c
 }
 

@@ -3,6 +3,7 @@ package bench
 import (
 	"fmt"
 	"io"
+	"slices"
 	"time"
 )
 
@@ -119,6 +120,9 @@ type Config struct {
 	ReadEngine    string // auto, io_uring or pread
 	// ObjectStore is the object-store run on the big geometry.
 	ObjectStore ObjectStoreConfig
+	// Serve is the serving loop: requests served by rank processes under a
+	// memory limit, on models of its own.
+	Serve ServeConfig
 
 	// DaemonGOMAXPROCS, if > 0, runs the daemon with GOMAXPROCS set to it
 	// (an experiment: the daemon's blocking preads and FUSE reads each hold
@@ -155,6 +159,7 @@ func DefaultConfig() Config {
 		BackingIO:     "auto",
 		ReadEngine:    "auto",
 		ObjectStore:   DefaultObjectStore(),
+		Serve:         DefaultServe(),
 	}
 }
 
@@ -169,6 +174,7 @@ func QuickConfig() Config {
 	c.Prefill.Chunks = 2
 	c.Compute = 500 * time.Millisecond
 	c.DiskTime = time.Second
+	c.Serve = QuickServe()
 	return c
 }
 
@@ -176,8 +182,10 @@ func (c *Config) check() error {
 	switch {
 	case c.Binary == "" && c.needsMount():
 		return fmt.Errorf("bench: no engramfs binary for the daemon")
-	case len(c.Geometries) == 0 || len(c.Paths) == 0:
+	case !c.Serve.Only && (len(c.Geometries) == 0 || len(c.Paths) == 0):
 		return fmt.Errorf("bench: nothing to measure")
+	case c.Serve.Only && c.Serve.Skip:
+		return fmt.Errorf("bench: the serving loop alone, and skipped")
 	case c.Decode.Steps < 1 || c.Decode.RowsPerStep < 1 || c.Decode.S <= 0:
 		return fmt.Errorf("bench: decode needs steps >= 1, rows per step >= 1, Zipf s > 0")
 	case c.Prefill.Chunks < 1 || c.Prefill.ChunkTokens < 1 || len(c.Prefill.Orders) == 0 || c.Prefill.Heads < 1:
@@ -190,16 +198,14 @@ func (c *Config) check() error {
 	if _, err := ParseReadEngine(c.ReadEngine); err != nil {
 		return err
 	}
-	return nil
+	return c.Serve.check()
 }
 
 func (c *Config) needsMount() bool {
-	for _, p := range c.Paths {
-		if p.mounts() {
-			return true
-		}
+	if !c.Serve.Skip && c.Serve.needsMount() {
+		return true
 	}
-	return false
+	return !c.Serve.Only && slices.ContainsFunc(c.Paths, PathID.mounts)
 }
 
 // ReadEngines are the values of the daemon's --read-engine.

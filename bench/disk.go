@@ -41,32 +41,12 @@ const diskBlock = 4096
 // much to every read past GOMAXPROCS in flight and measure the runtime, not
 // the disk.
 func MeasureDisk(ctx context.Context, files []string, dur time.Duration, qds []int, progress func(string)) (*DiskLimit, error) {
-	type target struct {
-		fd     int
-		blocks int64
+	bs, err := openBlocks(files)
+	if err != nil {
+		return nil, fmt.Errorf("disk limit: %w", err)
 	}
-	var targets []target
-	var total int64
-	d := &DiskLimit{IOPS: map[int]float64{}, Files: files}
-	for _, path := range files {
-		fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return nil, fmt.Errorf("disk limit: open %s with O_DIRECT: %w", path, err)
-		}
-		defer unix.Close(fd)
-		var st unix.Stat_t
-		if err := unix.Fstat(fd, &st); err != nil {
-			return nil, err
-		}
-		if st.Size >= diskBlock {
-			targets = append(targets, target{fd: fd, blocks: st.Size / diskBlock})
-			total += st.Size
-		}
-	}
-	if len(targets) == 0 {
-		return nil, fmt.Errorf("disk limit: no file of 4 KiB or more among %v", files)
-	}
-	d.Bytes = total
+	defer bs.close()
+	d := &DiskLimit{IOPS: map[int]float64{}, Files: files, Bytes: bs.blocks * diskBlock}
 
 	// reader does random reads until stop; lat, if not nil, gets each latency.
 	reader := func(seed uint64, stop <-chan struct{}, lat *[]time.Duration) (int, error) {
@@ -79,18 +59,9 @@ func MeasureDisk(ctx context.Context, files []string, dur time.Duration, qds []i
 				return n, nil
 			default:
 			}
-			// Pick a block uniformly over all bytes, whatever the file.
-			b := rng.Int64N(total / diskBlock)
-			var tg target
-			for _, t := range targets {
-				if b < t.blocks {
-					tg = t
-					break
-				}
-				b -= t.blocks
-			}
+			fd, off := bs.pick(rng)
 			start := time.Now()
-			if _, err := unix.Pread(tg.fd, buf, b*diskBlock); err != nil && err != unix.EINTR {
+			if _, err := unix.Pread(fd, buf, off); err != nil && err != unix.EINTR {
 				return n, fmt.Errorf("disk limit: O_DIRECT pread: %w", err)
 			}
 			if lat != nil {
@@ -162,6 +133,59 @@ func MeasureDisk(ctx context.Context, files []string, dur time.Duration, qds []i
 		d.IOPS[qd] = iops
 	}
 	return d, nil
+}
+
+// blockSet is the 4 KiB blocks of some files opened with O_DIRECT, for
+// random reads of the disk itself (no page cache, no readahead).
+type blockSet struct {
+	fds    []int
+	counts []int64 // blocks of each file
+	blocks int64
+}
+
+func openBlocks(files []string) (*blockSet, error) {
+	bs := &blockSet{}
+	for _, path := range files {
+		fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+		if err != nil {
+			bs.close()
+			return nil, fmt.Errorf("open %s with O_DIRECT: %w", path, err)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			unix.Close(fd)
+			bs.close()
+			return nil, err
+		}
+		if n := st.Size / diskBlock; n > 0 {
+			bs.fds, bs.counts = append(bs.fds, fd), append(bs.counts, n)
+			bs.blocks += n
+		} else {
+			unix.Close(fd)
+		}
+	}
+	if bs.blocks == 0 {
+		return nil, fmt.Errorf("no file of 4 KiB or more among %v", files)
+	}
+	return bs, nil
+}
+
+// pick draws a block uniformly over all the files' blocks, whatever the file.
+func (bs *blockSet) pick(rng *rand.Rand) (fd int, off int64) {
+	b := rng.Int64N(bs.blocks)
+	for i, n := range bs.counts {
+		if b < n {
+			return bs.fds[i], b * diskBlock
+		}
+		b -= n
+	}
+	return bs.fds[len(bs.fds)-1], 0 // not reached
+}
+
+func (bs *blockSet) close() {
+	for _, fd := range bs.fds {
+		unix.Close(fd)
+	}
 }
 
 // alignedBlock returns a 4 KiB buffer aligned to 4 KiB, as O_DIRECT needs

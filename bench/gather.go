@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -172,17 +173,46 @@ func (g *gatherSet) fileNames() []string {
 	return out
 }
 
+// rowsOut is where a gather puts its rows, as an engine's gather fills a
+// tensor: per layer index and table, the rows back to back in the order
+// asked, so that every byte gathered can be checked. A nil *rowsOut is
+// one scratch row each copy overwrites (the paths whose bytes only a few
+// rows are checked of).
+type rowsOut struct {
+	bufs [][][]byte // layer index -> table -> len(rows) × RowBytes
+}
+
+// newRowsOut has room for up to rows rows of every table of g.
+func newRowsOut(g *gatherSet, rows int) *rowsOut {
+	o := &rowsOut{bufs: make([][][]byte, len(g.layers))}
+	for j, srcs := range g.layers {
+		for _, src := range srcs {
+			o.bufs[j] = append(o.bufs[j], make([]byte, int64(rows)*src.t.RowBytes))
+		}
+	}
+	return o
+}
+
+// row is where row i of table ti of layer j goes.
+func (o *rowsOut) row(j, ti, i int, rb int64, scratch []byte) []byte {
+	if o == nil {
+		return scratch[:rb]
+	}
+	return o.bufs[j][ti][int64(i)*rb : int64(i+1)*rb]
+}
+
 // gatherSerial copies every row of every table of each layer out of the
 // mappings, on the calling goroutine: a decode step of one thread, whose
-// cold page faults are served one after another.
-func (g *gatherSet) gatherSerial(rows [][]uint64, buf []byte) (err error) {
+// cold page faults are served one after another. Rows go to out (nil:
+// into buf, one row).
+func (g *gatherSet) gatherSerial(rows [][]uint64, buf []byte, out *rowsOut) (err error) {
 	defer guardFaults(&err)()
 	for j, rs := range rows {
-		for _, src := range g.layers[j] {
+		for ti, src := range g.layers[j] {
 			rb := src.t.RowBytes
-			for _, r := range rs {
+			for i, r := range rs {
 				off := src.rowOff(r)
-				copy(buf[:rb], src.data[off:off+rb])
+				copy(out.row(j, ti, i, rb, buf), src.data[off:off+rb])
 			}
 		}
 	}
@@ -223,16 +253,18 @@ func (g *gatherSet) willneed(rows [][]uint64) error {
 // fadvise(WILLNEED) on every row's range of every table, so that all the
 // reads are in flight together, then one gather on the calling goroutine.
 // Paths 3 (the shards) and 4' (the mount's table files) both run it.
-func (g *gatherSet) gatherV3(rows [][]uint64, buf []byte) error {
+func (g *gatherSet) gatherV3(rows [][]uint64, buf []byte, out *rowsOut) error {
 	if err := g.willneed(rows); err != nil {
 		return err
 	}
-	return g.gatherSerial(rows, buf)
+	return g.gatherSerial(rows, buf, out)
 }
 
-// rowTask is a run of rows of one layer, the unit a pool worker takes.
+// rowTask is a run of rows of one layer, the unit a pool worker takes:
+// rows[first:first+len(rows)] of the layer's.
 type rowTask struct {
 	layer int
+	first int
 	rows  []uint64
 }
 
@@ -240,21 +272,22 @@ func splitTasks(rows [][]uint64, per int) []rowTask {
 	var out []rowTask
 	for j, rs := range rows {
 		for i := 0; i < len(rs); i += per {
-			out = append(out, rowTask{layer: j, rows: rs[i:min(i+per, len(rs))]})
+			out = append(out, rowTask{layer: j, first: i, rows: rs[i:min(i+per, len(rs))]})
 		}
 	}
 	return out
 }
 
 // gatherPool gathers rows with workers goroutines taking tasks of per rows:
-// by pread from the files (pread) or by copying out of the mappings.
+// by pread from the files (pread) or by copying out of the mappings, into
+// out (nil: a scratch row per worker).
 //
 // Go runs at most GOMAXPROCS goroutines at once, and a goroutine blocked in
 // a page fault keeps its P (the scheduler cannot see a fault), so 96
 // faulting goroutines on a 2-CPU machine would be 2 threads of faults. The
 // engines this path stands for use real threads: the caller raises
 // GOMAXPROCS to the pool size for the phase (withProcs).
-func (g *gatherSet) gatherPool(rows [][]uint64, workers, per int, pread bool) error {
+func (g *gatherSet) gatherPool(rows [][]uint64, workers, per int, pread bool, out *rowsOut) error {
 	tasks := splitTasks(rows, per)
 	var next atomic.Int64
 	var wg sync.WaitGroup
@@ -277,15 +310,16 @@ func (g *gatherSet) gatherPool(rows [][]uint64, workers, per int, pread bool) er
 					return
 				}
 				tk := tasks[i]
-				for _, src := range g.layers[tk.layer] {
+				for ti, src := range g.layers[tk.layer] {
 					rb := src.t.RowBytes
-					for _, r := range tk.rows {
+					for x, r := range tk.rows {
 						off := src.rowOff(r)
+						dst := out.row(tk.layer, ti, tk.first+x, rb, buf)
 						if !pread {
-							copy(buf[:rb], src.data[off:off+rb])
+							copy(dst, src.data[off:off+rb])
 							continue
 						}
-						if perr := preadFull(src.fd, buf[:rb], off); perr != nil {
+						if perr := preadFull(src.fd, dst, off); perr != nil {
 							err = fmt.Errorf("pread %s row %d: %w", src.t.Name, r, perr)
 							return
 						}
@@ -356,6 +390,37 @@ func (g *gatherSet) verify(rows [][]uint64) (err error) {
 		}
 	}
 	return nil
+}
+
+// verifyOut checks the rows a gather put in out against what the
+// synthetic model holds there: every row, or with sample > 0 about sample
+// rows of each layer's, evenly spread (the first and the last always). It
+// returns the rows checked (every table of a row counts once).
+func (g *gatherSet) verifyOut(rows [][]uint64, out *rowsOut, sample int) (int, error) {
+	checked := 0
+	var want []byte
+	for j, rs := range rows {
+		step := 1
+		if sample > 0 && len(rs) > sample {
+			step = len(rs) / sample
+		}
+		for i := 0; i < len(rs); i += step {
+			if i+step >= len(rs) {
+				i = len(rs) - 1
+			}
+			r := rs[i]
+			for ti, src := range g.layers[j] {
+				rb := src.t.RowBytes
+				want = slices.Grow(want[:0], int(rb))[:rb]
+				backing.FillSynth(want, src.key, int64(r)*rb)
+				if !bytes.Equal(out.row(j, ti, i, rb, nil), want) {
+					return checked, fmt.Errorf("%s row %d: gathered bytes differ from the model's", src.t.Name, r)
+				}
+			}
+			checked++
+		}
+	}
+	return checked, nil
 }
 
 // withProcs runs f with GOMAXPROCS raised to at least n (see gatherPool).

@@ -38,17 +38,6 @@ type hinter struct {
 	rbuf []byte
 }
 
-// barrierReply is the line a read barrier returns: what settled since the
-// previous barrier on the handle.
-type barrierReply struct {
-	Frames   uint64 `json:"frames"`
-	Pages    uint64 `json:"pages"`
-	Resident uint64 `json:"resident"`
-	Pinned   uint64 `json:"pinned"`
-	Dropped  uint64 `json:"dropped"`
-	Failed   uint64 `json:"failed"`
-}
-
 // openHinter opens the control file of the mount at mp read-write and
 // detects the read barrier: a read of the fresh handle, with nothing
 // pending, returns a JSON line at once on a daemon that has it, and 0 bytes
@@ -110,9 +99,10 @@ func (h *hinter) readBarrier() (int, error) {
 	}
 }
 
-// parseBarrier decodes a read barrier's reply: one line of JSON.
-func parseBarrier(b []byte) (barrierReply, error) {
-	var r barrierReply
+// parseBarrier decodes a read barrier's reply: one line of JSON, what
+// settled since the previous barrier on the handle.
+func parseBarrier(b []byte) (hints.Status, error) {
+	var r hints.Status
 	line := bytes.TrimSpace(b)
 	if bytes.IndexByte(line, '\n') >= 0 {
 		return r, fmt.Errorf("barrier reply is not one line: %q", b)
@@ -147,27 +137,34 @@ func (h *hinter) send(c hints.Class, layer int, rows []uint64) error {
 // Wait returns once every frame sent on this handle has settled; an error
 // if one of them failed.
 func (h *hinter) Wait() error {
+	_, err := h.WaitStatus()
+	return err
+}
+
+// WaitStatus is Wait, with what the read barrier said settled (the zero
+// Status from a daemon whose barrier is fsync).
+func (h *hinter) WaitStatus() (hints.Status, error) {
 	if h.barrier == BarrierFsync {
 		if err := h.f.Sync(); err != nil {
-			return fmt.Errorf("hint wait (fsync): %w", err)
+			return hints.Status{}, fmt.Errorf("hint wait (fsync): %w", err)
 		}
-		return nil
+		return hints.Status{}, nil
 	}
 	n, err := h.readBarrier()
 	if err != nil {
-		return fmt.Errorf("hint wait (read barrier): %w", err)
+		return hints.Status{}, fmt.Errorf("hint wait (read barrier): %w", err)
 	}
 	if n == 0 {
-		return errors.New("hint wait (read barrier): the read returned 0 bytes")
+		return hints.Status{}, errors.New("hint wait (read barrier): the read returned 0 bytes")
 	}
 	r, err := parseBarrier(h.rbuf[:n])
 	if err != nil {
-		return fmt.Errorf("hint wait: %w", err)
+		return r, fmt.Errorf("hint wait: %w", err)
 	}
 	if r.Failed > 0 {
-		return fmt.Errorf("hint wait (read barrier): %d of %d pages failed", r.Failed, r.Pages)
+		return r, fmt.Errorf("hint wait (read barrier): %d of %d pages failed", r.Failed, r.Pages)
 	}
-	return nil
+	return r, nil
 }
 
 func (h *hinter) Close() error { return h.f.Close() }

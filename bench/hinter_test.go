@@ -1,10 +1,14 @@
 package bench
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/engramfs/engramfs/hints"
+)
 
 func TestParseBarrier(t *testing.T) {
 	r, err := parseBarrier([]byte(`{"frames":2,"pages":150,"resident":140,"pinned":30,"dropped":0,"failed":10}` + "\n"))
-	if err != nil || r != (barrierReply{Frames: 2, Pages: 150, Resident: 140, Pinned: 30, Failed: 10}) {
+	if err != nil || r != (hints.Status{Frames: 2, Pages: 150, Resident: 140, Pinned: 30, Failed: 10}) {
 		t.Errorf("parsed %+v, %v", r, err)
 	}
 	for _, bad := range []string{"", "ok\n", "{}\n{}\n"} {

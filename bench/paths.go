@@ -175,17 +175,9 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *daemonpro
 	if err != nil {
 		return nil, err
 	}
-	var stBefore stats.Snapshot
-	var cpuBefore time.Duration
-	var swBefore uint64
+	var mark daemonMark
 	if d != nil {
-		if stBefore, err = d.Stats(); err != nil {
-			return nil, err
-		}
-		if cpuBefore, err = d.CPU(); err != nil {
-			return nil, err
-		}
-		if swBefore, err = d.Switches(); err != nil {
+		if mark, err = markDaemon(d); err != nil {
 			return nil, err
 		}
 	}
@@ -197,27 +189,13 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *daemonpro
 
 	ph.ClientCPU = selfCPU() - clientBefore
 	if d != nil {
-		cpu, err := d.CPU()
+		use, err := mark.since(d)
 		if err != nil {
 			return nil, err
 		}
-		ph.DaemonCPU = cpu - cpuBefore
-		sw, err := d.Switches()
-		if err != nil {
-			return nil, err
-		}
-		ph.DaemonSwitches = sw - min(sw, swBefore)
-		after, err := d.Stats()
-		if err != nil {
-			return nil, err
-		}
-		delta := statsDelta(stBefore, after)
-		ph.Stats = &delta
-		ph.BackingBytes, ph.BackingFrom = delta.BackingBytes, ".engramfs/stats backing_bytes"
-		ph.DaemonCPUPerPage = cpuPerPage(ph.DaemonCPU, ph.BackingBytes)
-		if ph.BackingBytes > 0 {
-			ph.DaemonSwitchesPerPage = float64(ph.DaemonSwitches) / (float64(ph.BackingBytes) / 4096)
-		}
+		ph.DaemonCPU, ph.DaemonSwitches, ph.Stats = use.cpu, use.switches, &use.stats
+		ph.BackingBytes, ph.BackingFrom = use.stats.BackingBytes, ".engramfs/stats backing_bytes"
+		ph.DaemonCPUPerPage, ph.DaemonSwitchesPerPage = use.cpuPerPage(), use.switchesPerPage()
 	} else {
 		readAfter, err := procfs.SelfReadBytes()
 		if err != nil {
@@ -267,11 +245,11 @@ func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *daemonproc.Daemon
 			start := time.Now()
 			switch p {
 			case PathPread:
-				if err := gs.gatherPool(step, r.cfg.PreadWorkers, r.cfg.PreadTaskRows, true); err != nil {
+				if err := gs.gatherPool(step, r.cfg.PreadWorkers, r.cfg.PreadTaskRows, true, nil); err != nil {
 					return err
 				}
 			case PathMmapWillneed, PathEngramfsWillneed:
-				if err := gs.gatherV3(step, buf); err != nil {
+				if err := gs.gatherV3(step, buf, nil); err != nil {
 					return err
 				}
 			case PathHints:
@@ -284,17 +262,17 @@ func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *daemonproc.Daemon
 					return err
 				}
 				hintTimes = append(hintTimes, time.Since(start))
-				if err := gs.gatherSerial(step, buf); err != nil {
+				if err := gs.gatherSerial(step, buf, nil); err != nil {
 					return err
 				}
 			default:
-				if err := gs.gatherSerial(step, buf); err != nil {
+				if err := gs.gatherSerial(step, buf, nil); err != nil {
 					return err
 				}
 			}
 			times = append(times, time.Since(start))
 			if warm != nil {
-				t, err := warmGather(open, func(fresh *gatherSet) error { return fresh.gatherSerial(step, buf) })
+				t, err := warmGather(open, func(fresh *gatherSet) error { return fresh.gatherSerial(step, buf, nil) })
 				if err != nil {
 					return err
 				}
@@ -439,11 +417,11 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *daemonproc.Daemo
 			var err error
 			switch p {
 			case PathPread:
-				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, true)
+				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, true, nil)
 			case PathMmapWillneed, PathEngramfsWillneed:
-				err = gs.gatherV3(chunk, buf)
+				err = gs.gatherV3(chunk, buf, nil)
 			default:
-				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, false)
+				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, false, nil)
 			}
 			if err != nil {
 				return err
@@ -451,7 +429,7 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *daemonproc.Daemo
 			times = append(times, time.Since(start))
 			if warm != nil {
 				t, err := warmGather(open, func(fresh *gatherSet) error {
-					return fresh.gatherPool(chunk, workers, r.cfg.PreadTaskRows, false)
+					return fresh.gatherPool(chunk, workers, r.cfg.PreadTaskRows, false, nil)
 				})
 				if err != nil {
 					return err
@@ -525,6 +503,48 @@ func (r *geomRun) prefetchAloneBody(d *daemonproc.Daemon, ph *Phase) error {
 	pf.setTimes([]time.Duration{rec.dur})
 	ph.Times, ph.Prefetch = pf.Times, pf
 	return nil
+}
+
+// daemonMark is a daemon's counters at one moment; what a phase cost the
+// daemon is the difference of two (daemonMark.since).
+type daemonMark struct {
+	stats    stats.Snapshot
+	cpu      time.Duration
+	switches uint64
+}
+
+func markDaemon(d *daemonproc.Daemon) (daemonMark, error) {
+	var m daemonMark
+	var err error
+	if m.stats, err = d.Stats(); err != nil {
+		return m, err
+	}
+	if m.cpu, err = d.CPU(); err != nil {
+		return m, err
+	}
+	m.switches, err = d.Switches()
+	return m, err
+}
+
+// since is what the daemon did from m until now: its counters' deltas
+// (gauges as they are now), CPU time and context switches.
+func (m daemonMark) since(d *daemonproc.Daemon) (daemonMark, error) {
+	now, err := markDaemon(d)
+	if err != nil {
+		return now, err
+	}
+	return daemonMark{stats: statsDelta(m.stats, now.stats), cpu: now.cpu - m.cpu, switches: now.switches - min(now.switches, m.switches)}, nil
+}
+
+// cpuPerPage and switchesPerPage are a difference's CPU (µs) and context
+// switches per 4 KiB page of backing reads.
+func (m daemonMark) cpuPerPage() float64 { return cpuPerPage(m.cpu, m.stats.BackingBytes) }
+
+func (m daemonMark) switchesPerPage() float64 {
+	if m.stats.BackingBytes == 0 {
+		return 0
+	}
+	return float64(m.switches) / (float64(m.stats.BackingBytes) / 4096)
 }
 
 // cpuPerPage is cpu in µs per 4 KiB page of backing bytes (0 when no

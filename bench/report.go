@@ -37,6 +37,16 @@ type Report struct {
 
 	// ObjectStore is the object-store run (nil: --no-s3).
 	ObjectStore *ObjectStoreReport `json:"object_store,omitempty"`
+	// Serve is the serving loop (nil: skipped).
+	Serve *ServeReport `json:"serve,omitempty"`
+	// Models are the model directories the run used, kept for the next.
+	Models []ModelFiles `json:"models,omitempty"`
+}
+
+// ModelFiles is a generated model kept under the model root.
+type ModelFiles struct {
+	Dir   string `json:"dir"`
+	Bytes int64  `json:"bytes"`
 }
 
 // Settings are the knobs of the run that shape its figures.
@@ -161,7 +171,8 @@ type Ratios struct {
 // Target is one of the data path's targets, judged on one geometry.
 type Target struct {
 	Geometry string `json:"geometry"`
-	ID       string `json:"id"` // stable name (the Target* constants)
+	Ranks    int    `json:"ranks,omitempty"` // the serving loop's rank processes`
+	ID       string `json:"id"`              // stable name (the Target* constants)
 	Name     string `json:"name"`
 	// Value is the measured ratio; Bound its upper bound, or its lower
 	// bound when AtLeast.
@@ -185,6 +196,15 @@ type Machine struct {
 	Load      []string `json:"load"`
 	Disk      string   `json:"disk"` // the filesystem and device under the models
 	GoVersion string   `json:"go_version"`
+}
+
+// judge sets Met: the value measured and within its bound.
+func (t *Target) judge() {
+	if t.AtLeast {
+		t.Met = t.Value > 0 && t.Value >= t.Bound
+	} else {
+		t.Met = t.Value > 0 && t.Value <= t.Bound
+	}
 }
 
 // measured reports whether the path ran to the end.
@@ -243,6 +263,7 @@ func (r *Report) finish(queueDepth int) {
 		r.Targets = append(r.Targets, judge(g, r.Disk, r.Fio, queueDepth)...)
 	}
 	r.Targets = append(r.Targets, r.objectStoreTargets()...)
+	r.Targets = append(r.Targets, r.serveTargets()...)
 }
 
 // The targets' IDs.
@@ -267,11 +288,7 @@ func judge(g *GeometryReport, disk *DiskLimit, fio *FioFloor, queueDepth int) []
 	mmap, willneed, eng, engWill, hints := g.path(PathMmap), g.path(PathMmapWillneed), g.path(PathEngramfs), g.path(PathEngramfsWillneed), g.path(PathHints)
 	add := func(t Target) {
 		t.Geometry = name
-		if t.AtLeast {
-			t.Met = t.Value > 0 && t.Value >= t.Bound
-		} else {
-			t.Met = t.Value > 0 && t.Value <= t.Bound
-		}
+		t.judge()
 		out = append(out, t)
 	}
 	decode := func(id, what string, p, ref *PathResult, refName string, bound float64) {
@@ -507,6 +524,7 @@ func (r *Report) WriteTable(w io.Writer) {
 		}
 	}
 	r.writeObjectStore(w)
+	r.writeServe(w)
 	if len(r.Targets) > 0 {
 		fmt.Fprintf(w, "\ntargets (measured ratio, bound):\n")
 		for _, t := range r.Targets {

@@ -219,25 +219,39 @@ func UniqueRows(rows []uint64) []uint64 {
 	return slices.Compact(rows)
 }
 
-// PageCounter counts the file pages (in the mount's layout: data
-// page-aligned) that rows of every table of a layer need and that no earlier
-// Add counted: the 4 KiB reads a cold gather of a sequence of chunks needs at
-// the least. Chunks share pages (small rows pack many to a page; common
-// n-grams recur), so a chunk after the first needs fewer reads than it has
-// distinct pages.
+// PageCounter counts the file pages that rows of every table of a layer
+// need and that no earlier Add counted: in the mount's layout (data
+// page-aligned: the 4 KiB reads a cold gather through the mount needs at
+// the least) or in the shards' (data wherever the safetensors header left
+// it: what a page cache over the shards reads). Chunks share pages (small
+// rows pack many to a page; common n-grams recur), so a chunk after the
+// first needs fewer reads than it has distinct pages.
 type PageCounter struct {
-	m    *backing.Model
-	seen map[pageKey]struct{}
+	m      *backing.Model
+	shard  bool
+	seen   map[pageKey]struct{}
+	shards map[*backing.Shard]uint32
 }
 
+// pageKey is a page of a file: a table file of the mount (table ID), or a
+// shard (its index in Model.Shards).
 type pageKey struct {
 	table uint32
 	page  uint64
 }
 
-// NewPageCounter counts pages of m's tables, none seen yet.
+// NewPageCounter counts pages of m's tables in the mount's layout, none seen yet.
 func NewPageCounter(m *backing.Model) *PageCounter {
 	return &PageCounter{m: m, seen: map[pageKey]struct{}{}}
+}
+
+// NewShardPageCounter counts pages of m's shard files, none seen yet.
+func NewShardPageCounter(m *backing.Model) *PageCounter {
+	c := &PageCounter{m: m, shard: true, seen: map[pageKey]struct{}{}, shards: map[*backing.Shard]uint32{}}
+	for i, sh := range m.Shards {
+		c.shards[sh] = uint32(i)
+	}
+	return c
 }
 
 // Add counts the pages rows need in every table of layer and returns how
@@ -246,9 +260,9 @@ func (c *PageCounter) Add(layer int, rows []uint64) int {
 	fresh := 0
 	for _, t := range c.m.LayerTables(layer) {
 		for _, r := range rows {
-			first, last := t.RowPages(r)
+			file, first, last := c.rowPages(t, r)
 			for pg := first; pg <= last; pg++ {
-				k := pageKey{t.ID, pg}
+				k := pageKey{file, pg}
 				if _, ok := c.seen[k]; !ok {
 					c.seen[k] = struct{}{}
 					fresh++
@@ -257,4 +271,54 @@ func (c *PageCounter) Add(layer int, rows []uint64) int {
 		}
 	}
 	return fresh
+}
+
+func (c *PageCounter) rowPages(t *backing.Table, r uint64) (file uint32, first, last uint64) {
+	if !c.shard {
+		first, last = t.RowPages(r)
+		return t.ID, first, last
+	}
+	off := uint64(t.DataStart) + r*uint64(t.RowBytes)
+	return c.shards[t.Shard], off / backing.PageSize, (off + uint64(t.RowBytes) - 1) / backing.PageSize
+}
+
+// Len is the number of distinct pages counted.
+func (c *PageCounter) Len() int { return len(c.seen) }
+
+// ReadOnceBytes is what reading every counted page once costs. In the
+// shards' layout, a page each. In the mount's, a shard read with offset
+// alignment align (O_DIRECT's) of the aligned superset of each run of
+// adjacent pages' bytes in the shard, whose table data starts anywhere:
+// the least backing bytes a daemon that reads no page twice can ask.
+func (c *PageCounter) ReadOnceBytes(align int64) uint64 {
+	if c.shard {
+		return uint64(len(c.seen)) * backing.PageSize
+	}
+	align = max(align, 1)
+	byTable := map[uint32][]uint64{}
+	for k := range c.seen {
+		byTable[k.table] = append(byTable[k.table], k.page)
+	}
+	var total uint64
+	for id, pages := range byTable {
+		t := c.m.Tables[id]
+		slices.Sort(pages)
+		for i := 0; i < len(pages); {
+			j := i
+			for j+1 < len(pages) && pages[j+1] == pages[j]+1 {
+				j++
+			}
+			// The run's bytes in the shard, without header pages (served
+			// from memory) and past the table's end.
+			lo := max(int64(pages[i])-int64(t.DataPage()), 0) * backing.PageSize
+			hi := min((int64(pages[j])+1-int64(t.DataPage()))*backing.PageSize, t.DataLen)
+			if hi > lo {
+				start := (t.DataStart + lo) / align * align
+				end := (t.DataStart + hi + align - 1) / align * align
+				total += uint64(end - start)
+			}
+			i = j + 1
+		}
+	}
+	return total
 }

@@ -1,15 +1,19 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/signal"
+	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/docker/go-units"
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/bench"
@@ -40,6 +44,22 @@ and phase). Decode: steps of 72 Zipf-popular rows per layer; prefill: chunks of
 8192 tokens hashed to ~31K unique rows per layer. For the daemon's paths it
 reports its CPU per 4 KiB backing page per phase and its read engine; then
 the targets (each a ratio of two figures of this run, its bound, met or missed).
+
+Then the serving loop (--serve runs it alone; --no-serve leaves it out):
+requests of prefill chunks (the next chunk prefetched while this one computes)
+and decode steps (rows known only at the step), served by 1 and 4 rank
+processes (each its own rows and handles, in lockstep) on one mount, on ~3 GB
+of tables (its own models) inside a memory cgroup of 1.25 GiB holding the
+ranks and the daemon (--cache-size 512MiB), on four paths, each the same plan
+from the same cold start: mmap (the shards, MADV_RANDOM), v3 on the shards
+(fadvise(WILLNEED) per row then one gather; its prefetch pool of 32 threads
+for the next chunk), v3 on the mount, engramfs+hints (a prefill hint for the
+next chunk; a decode hint and barrier per step). Per path: decode p50/p99, the
+step's floor (its cold reads as one burst of 4 KiB O_DIRECT reads, measured in
+the same run), prefill chunk time, the block device's bytes and reads, cold
+reads a decode step, backing bytes per distinct page, daemon CPU per page, the
+hot tier's bytes, the cgroup's peak and refaults; and the serving targets.
+bench/README.md, "The serving loop", says how and why it is fair.
 
 The models (8.2 GiB each by default) are generated once into --model-dir and
 reused. On a 2-CPU VM the full run takes several minutes after generation
@@ -76,6 +96,21 @@ every column and target.`)
 	fl.IntVar(&cfg.ObjectStore.QueueDepth, "s3-queue-depth", cfg.ObjectStore.QueueDepth, "object-store run: the daemon's --queue-depth (GETs in flight)")
 	fl.IntVar(&cfg.ObjectStore.PrefillRows, "s3-prefill-rows", cfg.ObjectStore.PrefillRows, "object-store run: rows per layer of the prefill chunk hinted ahead of its deadline (0: the whole chunk)")
 	fl.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "seed of the tables and workloads")
+	serveOnly := fl.Bool("serve", false, "run the serving loop alone (its models, the disk limit, fio's floor and the step floor; no paths 1-5, no object store)")
+	fl.BoolVar(&cfg.Serve.Skip, "no-serve", false, "leave the serving loop out of the run")
+	serveRows := fl.Uint64("serve-rows", 0, "serving loop: rows per table of its big model (default 360448: 3.0 GB of tables; --quick 131072)")
+	serveFlashRows := fl.Uint64("serve-flash-rows", 0, "serving loop: rows per table of its flash model (default 5767168, as many bytes; --quick 2097152)")
+	serveRanks := fl.String("serve-ranks", "1,4", "serving loop: rank process counts, each a run of its own (comma-separated)")
+	servePaths := fl.String("serve-paths", "", "serving loop: paths, comma-separated (default mmap,mmap-willneed,engramfs-willneed,engramfs-hints; engramfs, the mount without hints, too)")
+	serveLimit := fl.String("serve-mem-limit", "", "serving loop: the memory cgroup's limit over the ranks and the daemon, e.g. 1.25GiB; 0: no cgroup (default 1.25GiB, --quick 464MiB)")
+	fl.StringVar(&cfg.Serve.CacheSize, "serve-cache-size", "", "serving loop: the daemon's --cache-size, its pinned hot tier inside the limit (default 512MiB, --quick 192MiB)")
+	fl.IntVar(&cfg.Serve.Spec.Requests, "serve-requests", 0, "serving loop: requests (default 10, --quick 4)")
+	fl.IntVar(&cfg.Serve.Spec.Chunks, "serve-chunks", cfg.Serve.Spec.Chunks, "serving loop: prefill chunks a request")
+	fl.IntVar(&cfg.Serve.Spec.ChunkRows, "serve-chunk-rows", cfg.Serve.Spec.ChunkRows, "serving loop: unique rows a layer a prefill chunk")
+	fl.Float64Var(&cfg.Serve.Spec.RareFraction, "serve-tail", cfg.Serve.Spec.RareFraction, "serving loop: fraction of a chunk's rows drawn from the far tail (rows no other chunk or step names; the Zipf-drawn rest has a tail of its own, and the report gives the share named once)")
+	fl.IntVar(&cfg.Serve.Spec.Steps, "serve-steps", cfg.Serve.Spec.Steps, "serving loop: decode steps a request")
+	fl.DurationVar(&cfg.Serve.Compute, "serve-compute", cfg.Serve.Compute, "serving loop: compute a prefill chunk, during which the next chunk is prefetched")
+	fl.DurationVar(&cfg.Serve.DecodeCompute, "serve-decode-compute", cfg.Serve.DecodeCompute, "serving loop: compute after each decode step")
 	engramfs := engramfsFlag(fl)
 	jsonOut := fl.String("json", "", "also write the full report as JSON to `FILE`")
 	plotOut := fl.String("plot", "", "also draw the results as a PNG chart to `FILE`")
@@ -88,6 +123,17 @@ every column and target.`)
 	if *quick {
 		q := bench.QuickConfig()
 		cfg.Geometries, cfg.Decode.Steps, cfg.Prefill.Chunks, cfg.Compute, cfg.DiskTime = q.Geometries, q.Decode.Steps, q.Prefill.Chunks, q.Compute, q.DiskTime
+		cfg.Serve.Geometries, cfg.Serve.MemLimit, cfg.Serve.BurstRuns = q.Serve.Geometries, q.Serve.MemLimit, q.Serve.BurstRuns
+		cfg.Serve.Spec.Requests = cmp.Or(cfg.Serve.Spec.Requests, q.Serve.Spec.Requests)
+		cfg.Serve.CacheSize = cmp.Or(cfg.Serve.CacheSize, q.Serve.CacheSize)
+	}
+	def := bench.DefaultServe()
+	cfg.Serve.Spec.Requests = cmp.Or(cfg.Serve.Spec.Requests, def.Spec.Requests)
+	cfg.Serve.CacheSize = cmp.Or(cfg.Serve.CacheSize, def.CacheSize)
+	cfg.Serve.Only = *serveOnly
+	cfg.Serve.Spec.StepRows, cfg.Serve.Spec.S = cfg.Decode.RowsPerStep, cfg.Decode.S
+	if *serveOnly && cfg.Serve.Skip {
+		return usagef("--serve and --no-serve: nothing to run")
 	}
 	setIf := func(dst *int, v int) {
 		if v != 0 {
@@ -105,6 +151,27 @@ every column and target.`)
 	var err error
 	if cfg.Geometries, err = parseGeometries(*geometries, *layers, cfg.Geometries, *rows, *flashRows); err != nil {
 		return usageError{Err: err}
+	}
+	if cfg.Serve.Geometries, err = parseGeometries(*geometries, *layers, cfg.Serve.Geometries, *serveRows, *serveFlashRows); err != nil {
+		return usageError{Err: err}
+	}
+	if *serveLimit != "" {
+		if cfg.Serve.MemLimit, err = units.RAMInBytes(*serveLimit); err != nil || cfg.Serve.MemLimit < 0 {
+			return usagef("--serve-mem-limit %q: want a size such as 1.25GiB, or 0", *serveLimit)
+		}
+	}
+	if cfg.Serve.Ranks, err = parseInts(*serveRanks); err != nil {
+		return usagef("--serve-ranks: %v", err)
+	}
+	if *servePaths != "" {
+		cfg.Serve.Paths = nil
+		for _, s := range strings.Split(*servePaths, ",") {
+			p, err := bench.ParsePath(strings.TrimSpace(s))
+			if err != nil || !slices.Contains(bench.ServePaths, p) {
+				return usagef("--serve-paths: %q: want some of %v", s, bench.ServePaths)
+			}
+			cfg.Serve.Paths = append(cfg.Serve.Paths, p)
+		}
 	}
 	if *pathList != "" {
 		cfg.Paths = nil
@@ -181,6 +248,18 @@ func parseGeometries(list string, layers int, defaults []bench.Geometry, rows, f
 			return nil, fmt.Errorf("--geometry: %w", err)
 		}
 		out = append(out, g)
+	}
+	return out, nil
+}
+
+func parseInts(list string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(list, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, n)
 	}
 	return out, nil
 }

@@ -64,6 +64,7 @@ Run it as root (sudo engramfs demo) on a machine whose kernel has FUSE
 	cfg.DiskTime = 500 * time.Millisecond
 	cfg.DiskQDs = []int{cfg.QueueDepth}
 	cfg.FioRuntime = 0 // no fio floor: the demo stays short
+	cfg.Serve.Skip = true
 	// Only the demo's own files: a demo must not empty the machine's page cache.
 	cfg.Drop = bench.DropFiles
 	cfg.Binary = bin

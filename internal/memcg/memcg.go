@@ -32,6 +32,21 @@ type Group struct {
 	Version int    // 1 or 2
 	Limit   int64  // the limit asked for, in bytes
 	parent  string // the cgroup this process was in: where leftover processes go on Remove
+	// io is where the group's block I/O is counted, once CountIO has
+	// made it: Dir itself (v2's io.stat), or a v1 blkio group of the same
+	// name; ioParent as parent; ioDev the device's "MAJ:MIN".
+	io, ioParent, ioDev string
+	ioVersion           int
+	prefix              string
+}
+
+// IOCounters are the reads a group's processes made of one block device:
+// counted where the block layer charges a bio to its cgroup (every read
+// of the page cache's readahead, fadvise(WILLNEED) and O_DIRECT alike,
+// before the device merges adjacent ones), and no other process's.
+type IOCounters struct {
+	Reads uint64 `json:"reads"` // bios (v1 blkio.throttle.io_serviced) or I/Os (v2 io.stat rios)
+	Bytes uint64 `json:"bytes"`
 }
 
 // Usage is what the processes of a group use now and used at most.
@@ -73,13 +88,13 @@ func New(prefix string, limit int64) (*Group, error) {
 	if err != nil {
 		return nil, fmt.Errorf("memory cgroup: %w", err)
 	}
-	h, err := find(mounts, string(self))
+	h, err := find(mounts, string(self), "memory", "memory")
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("no memory cgroup: %w", err)
 	}
 	removeStale(h.dir, prefix)
 	g := &Group{Dir: filepath.Join(h.dir, fmt.Sprintf("%s-%d-%d", prefix, os.Getpid(), seq.Add(1)-1)),
-		Version: h.version, Limit: limit, parent: h.dir}
+		Version: h.version, Limit: limit, parent: h.dir, prefix: prefix}
 	if err := os.Mkdir(g.Dir, 0o755); err != nil {
 		return nil, fmt.Errorf("memory cgroup v%d: %w", g.Version, err)
 	}
@@ -104,9 +119,9 @@ func New(prefix string, limit int64) (*Group, error) {
 	return g, nil
 }
 
-// find picks the hierarchy: v2 where this cgroup's children can have the
-// memory controller, else v1's memory controller.
-func find(mounts []procfs.Mount, self string) (hierarchy, error) {
+// find picks the hierarchy of a controller (v2's name, v1's name): v2
+// where this cgroup's children can have it, else v1's.
+func find(mounts []procfs.Mount, self, v2, v1 string) (hierarchy, error) {
 	var why []string
 	for _, m := range mounts {
 		if m.FSType != "cgroup2" {
@@ -117,27 +132,27 @@ func find(mounts []procfs.Mount, self string) (hierarchy, error) {
 			break
 		}
 		dir := under(m, path)
-		if err := enableMemory(dir); err != nil {
+		if err := enableController(dir, v2); err != nil {
 			why = append(why, fmt.Sprintf("cgroup v2 at %s: %v", m.Point, err))
 			break
 		}
 		return hierarchy{version: 2, dir: dir}, nil
 	}
 	for _, m := range mounts {
-		if m.FSType != "cgroup" || !slices.Contains(strings.Split(m.Options, ","), "memory") {
+		if m.FSType != "cgroup" || !slices.Contains(strings.Split(m.Options, ","), v1) {
 			continue
 		}
-		path, ok := cgroupPath(self, "memory")
+		path, ok := cgroupPath(self, v1)
 		if !ok {
-			why = append(why, "cgroup v1: /proc/self/cgroup names no memory cgroup")
+			why = append(why, fmt.Sprintf("cgroup v1: /proc/self/cgroup names no %s cgroup", v1))
 			break
 		}
 		return hierarchy{version: 1, dir: under(m, path)}, nil
 	}
 	if len(why) == 0 {
-		why = append(why, "no cgroup filesystem with the memory controller is mounted")
+		why = append(why, fmt.Sprintf("no cgroup filesystem with the %s controller is mounted", v1))
 	}
-	return hierarchy{}, fmt.Errorf("no memory cgroup: %s", strings.Join(why, "; "))
+	return hierarchy{}, errors.New(strings.Join(why, "; "))
 }
 
 // cgroupPath is this process's cgroup in the hierarchy of controller ("":
@@ -165,27 +180,27 @@ func under(m procfs.Mount, path string) string {
 	return filepath.Join(m.Point, rel)
 }
 
-// enableMemory makes sure the children of the v2 cgroup dir get the memory
+// enableController makes sure the children of the v2 cgroup dir get the
 // controller. Enabling it fails in a cgroup that holds processes (v2's
 // rule: no process in a cgroup whose controllers its children share),
 // unless it is the root.
-func enableMemory(dir string) error {
+func enableController(dir, name string) error {
 	ctl, err := os.ReadFile(filepath.Join(dir, "cgroup.controllers"))
 	if err != nil {
 		return err
 	}
-	if !slices.Contains(strings.Fields(string(ctl)), "memory") {
-		return errors.New("the memory controller is not available here")
+	if !slices.Contains(strings.Fields(string(ctl)), name) {
+		return fmt.Errorf("the %s controller is not available here", name)
 	}
 	sub, err := os.ReadFile(filepath.Join(dir, "cgroup.subtree_control"))
 	if err != nil {
 		return err
 	}
-	if slices.Contains(strings.Fields(string(sub)), "memory") {
+	if slices.Contains(strings.Fields(string(sub)), name) {
 		return nil
 	}
-	if err := os.WriteFile(filepath.Join(dir, "cgroup.subtree_control"), []byte("+memory"), 0); err != nil {
-		return fmt.Errorf("cannot enable the memory controller for the children of %s: %w", dir, err)
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.subtree_control"), []byte("+"+name), 0); err != nil {
+		return fmt.Errorf("cannot enable the %s controller for the children of %s: %w", name, dir, err)
 	}
 	return nil
 }
@@ -214,15 +229,105 @@ func removeStale(dir, prefix string) {
 // cgroup a process is in when it is allocated, so a process moved in
 // later leaves its first pages charged outside.
 func (g *Group) Wrapper() []string {
-	return []string{"/bin/sh", "-c", `echo $$ > "$0" && exec "$@"`, filepath.Join(g.Dir, "cgroup.procs")}
+	script := `echo $$ > '` + filepath.Join(g.Dir, "cgroup.procs") + `'`
+	if g.io != "" && g.io != g.Dir {
+		script += ` && echo $$ > '` + filepath.Join(g.io, "cgroup.procs") + `'`
+	}
+	return []string{"/bin/sh", "-c", script + ` && exec "$@"`, "sh"}
+}
+
+// CountIO counts the block I/O of g's processes on the device major:minor
+// from now on (IO): v2's io.stat where the io controller can be had for
+// g, else a v1 blkio group of g's name, which counts only while it has a
+// throttle rule: it gets one no device reaches (a petabyte a second). Call
+// it before any process is in g (Wrapper puts them in both).
+func (g *Group) CountIO(major, minor uint32) error {
+	mounts, err := procfs.Mounts()
+	if err != nil {
+		return err
+	}
+	self, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return err
+	}
+	h, err := find(mounts, string(self), "io", "blkio")
+	if err != nil {
+		return fmt.Errorf("no block I/O cgroup: %w", err)
+	}
+	dev := fmt.Sprintf("%d:%d", major, minor)
+	if h.version == 2 {
+		if g.Version != 2 {
+			return errors.New("no block I/O cgroup: the io controller is in v2, the memory group in v1")
+		}
+		g.io, g.ioParent, g.ioDev, g.ioVersion = g.Dir, g.parent, dev, 2
+		return nil
+	}
+	dir := filepath.Join(h.dir, filepath.Base(g.Dir))
+	removeStale(h.dir, g.prefix)
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		return fmt.Errorf("blkio cgroup: %w", err)
+	}
+	g.io, g.ioParent, g.ioDev, g.ioVersion = dir, h.dir, dev, 1
+	if err := os.WriteFile(filepath.Join(dir, "blkio.throttle.read_bps_device"), []byte(dev+" 1000000000000000"), 0); err != nil {
+		return fmt.Errorf("blkio cgroup %s: a rule for %s: %w", dir, dev, err)
+	}
+	return nil
+}
+
+// IO is what g's processes read of the device since CountIO.
+func (g *Group) IO() (IOCounters, error) {
+	var c IOCounters
+	if g.io == "" {
+		return c, errors.New("block I/O not counted (no CountIO)")
+	}
+	if g.ioVersion == 2 {
+		b, err := os.ReadFile(filepath.Join(g.io, "io.stat"))
+		if err != nil {
+			return c, err
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			f := strings.Fields(line)
+			if len(f) == 0 || f[0] != g.ioDev {
+				continue
+			}
+			for _, kv := range f[1:] {
+				k, v, _ := strings.Cut(kv, "=")
+				n, _ := strconv.ParseUint(v, 10, 64)
+				switch k {
+				case "rios":
+					c.Reads = n
+				case "rbytes":
+					c.Bytes = n
+				}
+			}
+		}
+		return c, nil
+	}
+	for _, f := range []struct {
+		name string
+		dst  *uint64
+	}{{"blkio.throttle.io_serviced", &c.Reads}, {"blkio.throttle.io_service_bytes", &c.Bytes}} {
+		b, err := os.ReadFile(filepath.Join(g.io, f.name))
+		if err != nil {
+			return c, err
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, g.ioDev+" Read "); ok {
+				*f.dst, _ = strconv.ParseUint(strings.TrimSpace(v), 10, 64)
+			}
+		}
+	}
+	return c, nil
 }
 
 // Add moves process pid (all its threads) into g.
 func (g *Group) Add(pid int) error { return g.write("cgroup.procs", strconv.Itoa(pid)) }
 
 // Procs lists the processes in g.
-func (g *Group) Procs() ([]int, error) {
-	b, err := os.ReadFile(filepath.Join(g.Dir, "cgroup.procs"))
+func (g *Group) Procs() ([]int, error) { return readProcs(g.Dir) }
+
+func readProcs(dir string) ([]int, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
 	if err != nil {
 		return nil, err
 	}
@@ -268,24 +373,32 @@ func (g *Group) Usage() (Usage, error) {
 }
 
 // Remove moves the processes still in g back to the cgroup this process
-// was in and removes g. A process that has just exited keeps a cgroup busy
-// for a moment: it tries again for up to 5 s.
+// was in and removes g (and its blkio group). A process that has just
+// exited keeps a cgroup busy for a moment: it tries again for up to 5 s.
 func (g *Group) Remove() error {
+	err := removeGroup(g.Dir, g.parent)
+	if g.io != "" && g.io != g.Dir {
+		err = errors.Join(err, removeGroup(g.io, g.ioParent))
+	}
+	return err
+}
+
+func removeGroup(dir, parent string) error {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		pids, err := g.Procs()
+		pids, err := readProcs(dir)
 		if errors.Is(err, os.ErrNotExist) {
 			return nil
 		}
 		for _, pid := range pids {
-			_ = os.WriteFile(filepath.Join(g.parent, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0)
+			_ = os.WriteFile(filepath.Join(parent, "cgroup.procs"), []byte(strconv.Itoa(pid)), 0)
 		}
-		err = syscall.Rmdir(g.Dir)
+		err = syscall.Rmdir(dir)
 		if err == nil || errors.Is(err, syscall.ENOENT) {
 			return nil
 		}
 		if !errors.Is(err, syscall.EBUSY) || time.Now().After(deadline) {
-			return fmt.Errorf("memory cgroup %s: remove: %w (processes: %v)", g.Dir, err, pids)
+			return fmt.Errorf("cgroup %s: remove: %w (processes: %v)", dir, err, pids)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

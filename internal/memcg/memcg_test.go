@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/engramfs/engramfs/internal/procfs"
 )
 
@@ -176,13 +178,13 @@ func TestNewRemovesStaleGroups(t *testing.T) {
 func TestFind(t *testing.T) {
 	v1 := procfs.Mount{Point: "/sys/fs/cgroup/memory", FSType: "cgroup", Root: "/", Options: "rw,memory"}
 	self := "4:memory:/process_api/abc\n0::/user.slice/s\n"
-	h, err := find([]procfs.Mount{{Point: "/sys/fs/cgroup/cpu", FSType: "cgroup", Root: "/", Options: "rw,cpu"}, v1}, self)
+	h, err := find([]procfs.Mount{{Point: "/sys/fs/cgroup/cpu", FSType: "cgroup", Root: "/", Options: "rw,cpu"}, v1}, self, "memory", "memory")
 	if err != nil || h.version != 1 || h.dir != "/sys/fs/cgroup/memory/process_api/abc" {
 		t.Errorf("v1: %+v, %v", h, err)
 	}
 	ns := v1
 	ns.Root = "/process_api"
-	if h, err := find([]procfs.Mount{ns}, self); err != nil || h.dir != "/sys/fs/cgroup/memory/abc" {
+	if h, err := find([]procfs.Mount{ns}, self, "memory", "memory"); err != nil || h.dir != "/sys/fs/cgroup/memory/abc" {
 		t.Errorf("v1 in a cgroup namespace: %+v, %v", h, err)
 	}
 
@@ -200,20 +202,20 @@ func TestFind(t *testing.T) {
 	}
 	write("cgroup.controllers", "cpu io pids\n")
 	write("cgroup.subtree_control", "")
-	if h, err := find([]procfs.Mount{v2, v1}, self); err != nil || h.version != 1 {
+	if h, err := find([]procfs.Mount{v2, v1}, self, "memory", "memory"); err != nil || h.version != 1 {
 		t.Errorf("v2 without memory, v1 with it: %+v, %v, want v1", h, err)
 	}
-	if _, err := find([]procfs.Mount{v2}, self); err == nil || !strings.Contains(err.Error(), "not available") {
+	if _, err := find([]procfs.Mount{v2}, self, "memory", "memory"); err == nil || !strings.Contains(err.Error(), "not available") {
 		t.Errorf("v2 without memory alone: %v, want why", err)
 	}
 	write("cgroup.controllers", "cpu memory io\n")
-	if h, err := find([]procfs.Mount{v2, v1}, self); err != nil || h.version != 2 || h.dir != dir {
+	if h, err := find([]procfs.Mount{v2, v1}, self, "memory", "memory"); err != nil || h.version != 2 || h.dir != dir {
 		t.Errorf("v2 with memory: %+v, %v", h, err)
 	}
 	if b, _ := os.ReadFile(filepath.Join(dir, "cgroup.subtree_control")); string(b) != "+memory" {
 		t.Errorf("subtree_control = %q, want memory enabled for the children", b)
 	}
-	if _, err := find(nil, self); err == nil || !strings.Contains(err.Error(), "no cgroup filesystem") {
+	if _, err := find(nil, self, "memory", "memory"); err == nil || !strings.Contains(err.Error(), "no cgroup filesystem") {
 		t.Errorf("no cgroup mounted: %v", err)
 	}
 	if _, err := New(testPrefix, 0); err == nil {
@@ -221,5 +223,49 @@ func TestFind(t *testing.T) {
 	}
 	if s := (&Group{Version: 1, Limit: 5 << 28, Dir: "/x"}).String(); s != "cgroup v1 memory limit 1.25 GiB (/x)" {
 		t.Errorf("String() = %q", s)
+	}
+}
+
+// TestCountIO: the block I/O of the group's processes on the device is
+// counted, exactly (no other process is in the group), and a process
+// outside the group adds nothing.
+func TestCountIO(t *testing.T) {
+	g := newGroup(t, 64<<20)
+	dir := t.TempDir()
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.CountIO(unix.Major(st.Dev), unix.Minor(st.Dev)); err != nil {
+		t.Skipf("%v", err)
+	}
+	file := filepath.Join(dir, "f")
+	if err := os.WriteFile(file, make([]byte, 1<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	unix.Sync()
+	read := func(inside bool) {
+		args := []string{"dd", "if=" + file, "of=/dev/null", "bs=64k", "iflag=direct", "status=none"}
+		if inside {
+			args = append(g.Wrapper(), args...)
+		}
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("dd: %v\n%s", err, out)
+		}
+	}
+	read(false)
+	c, err := g.IO()
+	if err != nil || c != (IOCounters{}) {
+		t.Fatalf("before any read inside: %+v, %v", c, err)
+	}
+	read(true)
+	if c, err = g.IO(); err != nil || c.Bytes != 1<<20 || c.Reads < 16 {
+		t.Errorf("1 MiB read as 16 O_DIRECT reads of 64 KiB inside: %+v, %v", c, err)
+	}
+	if err := g.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(g.io); !os.IsNotExist(err) {
+		t.Errorf("%s left behind", g.io)
 	}
 }
