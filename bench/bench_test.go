@@ -60,13 +60,10 @@ func noMountsLeft(t *testing.T, dir string) {
 	}
 }
 
-// TestRunTiny runs every path on both geometries against a real mount and
-// checks that each measured what it claims: rows gathered (and verified
-// against the model's bytes), backing I/O seen, hints taken, the daemon's
-// CPU and memory read, and nothing left mounted.
-func TestRunTiny(t *testing.T) {
-	testenv.RequireFUSE(t)
-	cfg := tinyConfig(t)
+// runTiny runs cfg, failing t with the progress lines on an error, and
+// checks that nothing is left mounted.
+func runTiny(t *testing.T, cfg Config) *Report {
+	t.Helper()
 	var progress bytes.Buffer
 	cfg.Progress = &progress
 	rep, err := Run(context.Background(), cfg)
@@ -74,6 +71,17 @@ func TestRunTiny(t *testing.T) {
 		t.Fatalf("%v\nprogress:\n%s", err, progress.String())
 	}
 	noMountsLeft(t, cfg.MountDir)
+	return rep
+}
+
+// TestRunTiny runs every path on both geometries against a real mount and
+// checks that each measured what it claims: rows gathered (and verified
+// against the model's bytes), backing I/O seen, hints taken, the daemon's
+// CPU and memory read, and nothing left mounted.
+func TestRunTiny(t *testing.T) {
+	testenv.RequireFUSE(t)
+	cfg := tinyConfig(t)
+	rep := runTiny(t, cfg)
 	if len(rep.Geometries) != 2 || len(rep.DiskRuns) != 2 || rep.Disk.QD1.N == 0 || rep.Disk.IOPS[4] <= 0 {
 		t.Fatalf("report lacks geometries or the disk limit: %+v", rep)
 	}
@@ -196,9 +204,17 @@ func TestRunInterrupted(t *testing.T) {
 	cfg.Geometries = cfg.Geometries[:1]
 	cfg.Paths = []PathID{PathHints}
 	cfg.Compute = 10 * time.Second // the cancel lands in the compute sleep, or in a step
+	runCanceled(t, cfg, PathHints.Label()+": prefill")
+}
+
+// runCanceled runs cfg and cancels it once a progress line says when:
+// Run must return the cancellation promptly (the runs that use it sleep
+// 10 s in a compute) with nothing left mounted.
+func runCanceled(t *testing.T, cfg Config, when string) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	cfg.Progress = &cancelOn{when: PathHints.Label() + ": prefill", cancel: cancel}
+	cfg.Progress = &cancelOn{when: when, cancel: cancel}
 	start := time.Now()
 	_, err := Run(ctx, cfg)
 	if !errors.Is(err, context.Canceled) {

@@ -2,7 +2,6 @@ package bench
 
 import (
 	"bytes"
-	"context"
 	"math"
 	"strings"
 	"testing"
@@ -158,16 +157,10 @@ func TestObjectStoreRunTiny(t *testing.T) {
 	cfg.Paths = []PathID{PathHints}
 	cfg.ObjectStore = ObjectStoreConfig{FirstByte: 5 * time.Millisecond, SlowFirstByte: 50 * time.Millisecond, SlowFraction: 0.05,
 		PrefillLead: 300 * time.Millisecond, QueueDepth: 64, Misses: 30}
-	var progress bytes.Buffer
-	cfg.Progress = &progress
-	rep, err := Run(context.Background(), cfg)
-	if err != nil {
-		t.Fatalf("%v\nprogress:\n%s", err, progress.String())
-	}
-	noMountsLeft(t, cfg.MountDir)
+	rep := runTiny(t, cfg)
 	o := rep.ObjectStore
 	if o == nil || o.Skipped != "" || o.Failed != "" {
-		t.Fatalf("object-store run: %+v\nprogress:\n%s", o, progress.String())
+		t.Fatalf("object-store run: %+v", o)
 	}
 	for name, c := range map[string]*ObjectStoreDecode{"cold": o.Cold, "filling": o.Filling} {
 		if c == nil || c.Phase.Stats == nil || c.Phase.Stats.S3Gets == 0 || c.BytesPerPage <= 0 || c.DistinctPages == 0 || c.Phase.Hint == nil {

@@ -52,9 +52,6 @@ func shortLabel(p PathID) string {
 // is better) and the prefill gather rate (higher is better) of every path,
 // on log scales, with the disk's limit as a dashed line.
 func (r *Report) Plot(path string) error {
-	if len(r.Geometries) == 0 {
-		return fmt.Errorf("plot: nothing measured")
-	}
 	rows := make([][]*plot.Plot, len(r.Geometries))
 	for i, g := range r.Geometries {
 		var ids []PathID
@@ -96,6 +93,10 @@ func (r *Report) Plot(path string) error {
 			barPanel(geo+": prefill gather, rows/s (higher is better)", ids, pre, preLimit, "disk IOPS limit", fmtCount),
 		}
 	}
+	rows = append(rows, r.servePanels()...)
+	if len(rows) == 0 {
+		return fmt.Errorf("plot: nothing measured")
+	}
 	const w, h = 14 * vg.Inch, 4.5 * vg.Inch
 	img := vgimg.New(w, h*vg.Length(len(rows)))
 	dc := draw.New(img)
@@ -119,6 +120,40 @@ func (r *Report) Plot(path string) error {
 		return fmt.Errorf("plot %s: %w", path, err)
 	}
 	return f.Close()
+}
+
+// servePanels are the serving loop's rows: per geometry and rank count,
+// each path's decode step p50 with engramfs+hints' floor dashed, and its
+// prefill chunk time (wait + gather).
+func (r *Report) servePanels() [][]*plot.Plot {
+	if r.Serve == nil {
+		return nil
+	}
+	var rows [][]*plot.Plot
+	for _, run := range r.Serve.Runs {
+		var ids []PathID
+		var dec, pre []float64
+		for _, p := range run.Paths {
+			if p.measured() {
+				ids = append(ids, p.Path)
+				dec = append(dec, p.Decode.P50.Seconds()*1e3)
+				pre = append(pre, p.Chunk.Mean.Seconds()*1e3)
+			}
+		}
+		if len(ids) == 0 {
+			continue
+		}
+		floor := math.NaN()
+		if h := run.path(PathHints); h != nil && h.Floor > 0 {
+			floor = h.Floor.Seconds() * 1e3
+		}
+		name := fmt.Sprintf("serving, %s, %d rank(s)", run.Geometry.Name, run.Ranks)
+		rows = append(rows, []*plot.Plot{
+			barPanel(name+": decode step p50, ms (lower is better)", ids, dec, floor, "engramfs+hints' floor: a burst of its cold reads", fmtPlotMs),
+			barPanel(name+": prefill chunk, wait + gather, ms (lower is better)", ids, pre, math.NaN(), "", fmtPlotMs),
+		})
+	}
+	return rows
 }
 
 func fmtPlotMs(v float64) string {

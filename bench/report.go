@@ -378,8 +378,10 @@ func (r *Report) WriteJSON(path string) error {
 func (r *Report) WriteTable(w io.Writer) {
 	fmt.Fprintf(w, "engramfs bench — %s, %d CPUs, %s RAM, kernel %s\n", r.Machine.Disk, r.Machine.CPUs, fmtBytes(float64(r.Machine.MemBytes)), r.Machine.Kernel)
 	s := r.Settings
-	fmt.Fprintf(w, "decode: %d steps × %d Zipf(s=%.2g) rows × every layer, one thread (pread: %d workers × %d rows); prefill: %d chunks × %d tokens, %d workers (path 3: one thread), compute %v\n",
-		s.DecodeSteps, s.DecodeRows, s.ZipfS, s.PreadWorkers, s.PreadTaskRows, s.Chunks, s.ChunkTokens, s.MmapWorkers, s.Compute)
+	if len(r.Geometries) > 0 {
+		fmt.Fprintf(w, "decode: %d steps × %d Zipf(s=%.2g) rows × every layer, one thread (pread: %d workers × %d rows); prefill: %d chunks × %d tokens, %d workers (path 3: one thread), compute %v\n",
+			s.DecodeSteps, s.DecodeRows, s.ZipfS, s.PreadWorkers, s.PreadTaskRows, s.Chunks, s.ChunkTokens, s.MmapWorkers, s.Compute)
+	}
 	if len(s.DaemonFlags) > 0 {
 		fmt.Fprintf(w, "daemon: %sengramfs mount %s\n", strings.Join(append(s.DaemonEnv, ""), " "), strings.Join(s.DaemonFlags, " "))
 	}

@@ -221,6 +221,14 @@ type ServePath struct {
 	// 4096; ReadOnce the same bytes over those of reading each page once.
 	BytesPerDistinct float64 `json:"backing_bytes_per_distinct_page"`
 	ReadOnce         float64 `json:"backing_bytes_per_read_once"`
+	// Reread is the pages read more than once where it can be known. For
+	// the shards' paths (the page cache's reads), the cgroup's refaults:
+	// pages read again after its reclaim evicted them. For the mount's,
+	// the backing bytes past reading each page once, in pages: an
+	// estimate (RereadEstimated), which also counts pages read again while
+	// they were still cached.
+	Reread          float64 `json:"pages_reread"`
+	RereadEstimated bool    `json:"pages_reread_estimated,omitempty"`
 
 	Daemon  *ServeDaemon  `json:"daemon,omitempty"`
 	Memory  *memcg.Usage  `json:"memory,omitempty"` // the cgroup's, at the end
@@ -420,6 +428,12 @@ func (p *ServePath) finish(run *ServeRun, floor *BurstFloor) {
 	}
 	p.BytesPerDistinct = ratio(float64(bytes), float64(pages)*backing.PageSize)
 	p.ReadOnce = ratio(float64(bytes), float64(readOnce))
+	switch {
+	case p.Path.mounts() && pages > 0 && bytes > 0:
+		p.Reread, p.RereadEstimated = max(0, float64(bytes)-float64(readOnce))/(float64(readOnce)/float64(pages)), true
+	case p.Memory != nil:
+		p.Reread = float64(p.Memory.Refaults)
+	}
 }
 
 // servePath runs one path of the serving loop: caches dropped, a memory

@@ -205,6 +205,34 @@ func enableController(dir, name string) error {
 	return nil
 }
 
+// Owned lists the groups named prefix that this process made and that are
+// still there, in the memory and block I/O hierarchies it is in: what a run
+// left behind.
+func Owned(prefix string) ([]string, error) {
+	mounts, err := procfs.Mounts()
+	if err != nil {
+		return nil, err
+	}
+	self, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, c := range [][2]string{{"memory", "memory"}, {"io", "blkio"}} {
+		h, err := find(mounts, string(self), c[0], c[1])
+		if err != nil {
+			continue
+		}
+		m, _ := filepath.Glob(filepath.Join(h.dir, fmt.Sprintf("%s-%d-*", prefix, os.Getpid())))
+		for _, d := range m {
+			if !slices.Contains(out, d) {
+				out = append(out, d)
+			}
+		}
+	}
+	return out, nil
+}
+
 // removeStale removes the empty groups named prefix-PID-N below dir whose
 // PID is gone: a run killed before it could remove its own.
 func removeStale(dir, prefix string) {

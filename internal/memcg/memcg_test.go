@@ -269,3 +269,31 @@ func TestCountIO(t *testing.T) {
 		t.Errorf("%s left behind", g.io)
 	}
 }
+
+// TestOwned lists the groups this process made and still has, in both
+// hierarchies, and none once they are removed.
+func TestOwned(t *testing.T) {
+	g := newGroup(t, 16<<20)
+	var st unix.Stat_t
+	if err := unix.Stat(t.TempDir(), &st); err != nil {
+		t.Fatal(err)
+	}
+	counted := g.CountIO(unix.Major(st.Dev), unix.Minor(st.Dev)) == nil
+	got, err := Owned(testPrefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := 1
+	if counted && g.io != g.Dir {
+		want = 2
+	}
+	if len(got) != want || got[0] != g.Dir {
+		t.Errorf("owned %v, want %s (and its blkio group: %v)", got, g.Dir, counted)
+	}
+	if err := g.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := Owned(testPrefix); len(got) != 0 {
+		t.Errorf("after Remove: %v", got)
+	}
+}
