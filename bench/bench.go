@@ -114,7 +114,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 			return rep, err
 		}
 		dirs[i], modelDirs[g.DirName()] = dir, dir
-		rep.Models = append(rep.Models, ModelFiles{Dir: dir, Bytes: dirBytes(dir)})
+		if !cfg.TemporaryModels {
+			rep.ModelRoot = cfg.ModelRoot
+			rep.Models = append(rep.Models, ModelFiles{Dir: dir, Bytes: dirBytes(dir)})
+		}
 		gr := &GeometryReport{Geometry: g, ModelDir: dir}
 		if generated {
 			gr.Generated = time.Since(t0)

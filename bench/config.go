@@ -78,8 +78,11 @@ type Config struct {
 	// system's temporary directory).
 	MountDir string
 	// ModelRoot holds the generated models, one directory per geometry and
-	// row count (<ModelRoot>/<geometry>-<rows>), kept between runs.
-	ModelRoot string
+	// row count (<ModelRoot>/<geometry>-<rows>), kept between runs (the
+	// report says where and how big, and how to remove them: RemoveModels)
+	// unless TemporaryModels: the caller removes ModelRoot itself.
+	ModelRoot       string
+	TemporaryModels bool
 	// Geometries are measured in order.
 	Geometries []Geometry
 	// Paths are measured in order, for every geometry.

@@ -197,6 +197,57 @@ func readShards(dir string) (map[string]int64, error) {
 	return out, nil
 }
 
+// RemoveModels removes the models the bench generated under root: every
+// directory there that holds only a model's files (the shards, the index,
+// the stamp), then root itself if that leaves it empty. A directory with
+// anything else in it is left alone and named in the error.
+func RemoveModels(root string) ([]ModelFiles, error) {
+	ents, err := os.ReadDir(root)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var removed []ModelFiles
+	var errs []error
+	for _, e := range ents {
+		dir := filepath.Join(root, e.Name())
+		if !e.IsDir() {
+			errs = append(errs, fmt.Errorf("%s is not a model directory: left alone", dir))
+			continue
+		}
+		files, err := os.ReadDir(dir)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		ours := true
+		for _, f := range files {
+			if !ownNames.MatchString(f.Name()) {
+				errs = append(errs, fmt.Errorf("%s holds %s, which the bench did not write: left alone", dir, f.Name()))
+				ours = false
+				break
+			}
+		}
+		if !ours {
+			continue
+		}
+		size := dirBytes(dir)
+		if err := os.RemoveAll(dir); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		removed = append(removed, ModelFiles{Dir: dir, Bytes: size})
+	}
+	if len(errs) == 0 {
+		if err := os.Remove(root); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return removed, errors.Join(errs...)
+}
+
 func dirBytes(dir string) int64 {
 	entries, _ := os.ReadDir(dir)
 	var n int64

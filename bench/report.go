@@ -39,8 +39,11 @@ type Report struct {
 	ObjectStore *ObjectStoreReport `json:"object_store,omitempty"`
 	// Serve is the serving loop (nil: skipped).
 	Serve *ServeReport `json:"serve,omitempty"`
-	// Models are the model directories the run used, kept for the next.
-	Models []ModelFiles `json:"models,omitempty"`
+	// Models are the model directories the run used, kept under
+	// ModelRoot for the next run (none when the run's models are
+	// temporary: the demo's).
+	ModelRoot string       `json:"model_root,omitempty"`
+	Models    []ModelFiles `json:"models,omitempty"`
 }
 
 // ModelFiles is a generated model kept under the model root.
@@ -553,6 +556,16 @@ func (r *Report) WriteTable(w io.Writer) {
 	}
 	for _, n := range r.Notes {
 		fmt.Fprintf(w, "note: %s\n", n)
+	}
+	if len(r.Models) > 0 {
+		var names []string
+		var total int64
+		for _, m := range r.Models {
+			names = append(names, fmt.Sprintf("%s (%s)", filepath.Base(m.Dir), fmtBytes(float64(m.Bytes))))
+			total += m.Bytes
+		}
+		fmt.Fprintf(w, "\nmodels kept in %s for the next run: %s, %s in all; remove them with: engramfs bench --remove-models --model-dir %s\n",
+			r.ModelRoot, strings.Join(names, ", "), fmtBytes(float64(total)), r.ModelRoot)
 	}
 	fmt.Fprintf(w, "\nratios are time over time (below 1 is faster): ×mmap against path 2; ×disk against one QD1 read (decode) or the chunk's pages at the best measured IOPS (prefill).\n")
 }

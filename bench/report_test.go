@@ -66,6 +66,7 @@ func fakeReport() *Report {
 		{QD1: Summary{P50: 150 * time.Microsecond}, IOPS: map[int]float64{32: 85_000, 64: 100_000}},
 	}
 	r.Disk = bestDisk(r.DiskRuns)
+	r.ModelRoot, r.Models = "/var/tmp/m", []ModelFiles{{Dir: "/var/tmp/m/big-1024", Bytes: 3 << 30}, {Dir: "/var/tmp/m/flash-16384", Bytes: 1 << 30}}
 	r.Fio = &FioFloor{File: "/m/model-00001.safetensors", RuntimeSec: 5, Reads: 300_000, IOPS: 60_000, UsrCPU: 10, SysCPU: 50, CPUPerRead: 10}
 	r.finish(64)
 	return r
@@ -211,6 +212,7 @@ func TestWriteTableAndJSON(t *testing.T) {
 	for _, s := range []string{"2 mmap", "5 engramfs+hints", "4' engramfs+willneed", "warm page cache", "skipped: not asked for", "MISSED", "10.0ms", "60M", "QD64 100K IOPS",
 		"cpu µs/page", "io_uring", "pread", "fio floor (4 KiB random reads, io_uring, QD64, O_DIRECT, 5 s on model-00001.safetensors): 60K IOPS, 10.0 µs of CPU a read",
 		"5 engramfs+hints barrier: read(2) on the control handle", "(bound ≥ 0.90)", "(bound ≤ 1.00)",
+		"models kept in /var/tmp/m for the next run: big-1024 (3.0 GiB), flash-16384 (1.0 GiB), 4.0 GiB in all; remove them with: engramfs bench --remove-models --model-dir /var/tmp/m",
 		"5 engramfs+hints prefetch alone (one chunk's hints, cold cache, no gather): 35K pages in 500ms: 70K pages/s, 72K backing reads/s; daemon 14.0 µs and 0.20 context switches a backing page",
 		"done within compute for 2 of 2 chunks; 3.0K pages late (2.0K of them taken from the prefetch's read before its store), 500 cached already (not read)"} {
 		if !strings.Contains(out, s) {

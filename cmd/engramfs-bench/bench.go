@@ -73,7 +73,8 @@ every column and target.`)
 	rows := fl.Uint64("rows", 0, "rows per table of the big geometry (default 1048576, --quick 131072)")
 	flashRows := fl.Uint64("flash-rows", 0, "rows per table of the flash geometry (default 16777216, --quick 2097152)")
 	layers := fl.Int("layers", 2, "engram layers")
-	fl.StringVar(&cfg.ModelRoot, "model-dir", cfg.ModelRoot, "where generated models are kept between runs (one directory per geometry and row count)")
+	fl.StringVar(&cfg.ModelRoot, "model-dir", cfg.ModelRoot, "where generated models are kept between runs (one directory per geometry and row count; the report ends with their sizes)")
+	removeModels := fl.Bool("remove-models", false, "remove the models generated under --model-dir (only directories holding nothing but a model's files) and exit")
 	steps := fl.Int("steps", 0, "decode steps per path (default 300, --quick 100)")
 	fl.IntVar(&cfg.Decode.RowsPerStep, "decode-rows", cfg.Decode.RowsPerStep, "row lookups per layer per decode step")
 	fl.Float64Var(&cfg.Decode.S, "zipf", cfg.Decode.S, "Zipf exponent of decode row popularity")
@@ -119,6 +120,16 @@ every column and target.`)
 	}
 	if fl.NArg() != 0 {
 		return usagef("takes no arguments, got %q", fl.Args())
+	}
+	if *removeModels {
+		removed, err := bench.RemoveModels(cfg.ModelRoot)
+		for _, m := range removed {
+			fmt.Printf("removed %s (%s)\n", m.Dir, units.BytesSize(float64(m.Bytes)))
+		}
+		if len(removed) == 0 && err == nil {
+			fmt.Printf("no models under %s\n", cfg.ModelRoot)
+		}
+		return err
 	}
 	if *quick {
 		q := bench.QuickConfig()

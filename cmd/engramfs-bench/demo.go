@@ -56,7 +56,7 @@ Run it as root (sudo engramfs demo) on a machine whose kernel has FUSE
 	}
 	cfg.Geometries = []bench.Geometry{g}
 	cfg.Paths = []bench.PathID{bench.PathMmap, bench.PathEngramfs, bench.PathHints}
-	cfg.ModelRoot = dir
+	cfg.ModelRoot, cfg.TemporaryModels = dir, !*keep
 	cfg.Decode.Steps = 100
 	cfg.Prefill.Chunks = 2
 	cfg.Prefill.ChunkTokens = 4096

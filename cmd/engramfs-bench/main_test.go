@@ -42,3 +42,23 @@ func TestRunUsage(t *testing.T) {
 		t.Errorf("bench extra: %d, want 2\n%s", code, b.String())
 	}
 }
+
+// TestRemoveModelsFlag: --remove-models removes what a run kept under
+// --model-dir, says so, and exits without measuring anything.
+func TestRemoveModelsFlag(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "models")
+	dir := filepath.Join(root, "big-4096")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "model-00001-of-00001.safetensors"), make([]byte, 3000), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	if code := run([]string{"bench", "--remove-models", "--model-dir", root, "--engramfs", "/nonexistent"}, &b); code != 0 {
+		t.Fatalf("exit %d: %s", code, b.String())
+	}
+	if _, err := os.Stat(root); !os.IsNotExist(err) {
+		t.Errorf("%s still there: %v", root, err)
+	}
+}
