@@ -13,6 +13,12 @@
 // run the daemon as a child process (Config.Binary's `mount`), so
 // its CPU time and memory come from /proc and its backing I/O from
 // .engramfs/stats; the other paths' backing I/O comes from /proc/self/io.
+//
+// Then the serving loop (serve.go): requests of prefill chunks and decode
+// steps served by rank processes (serverank.go) in lockstep on one mount,
+// inside a memory cgroup several times smaller than the tables, every
+// path on the same plan (serveplan.go), judged against v3 on the shards
+// and against each step's floor (floor.go).
 package bench
 
 import (

@@ -93,13 +93,14 @@ func DefaultServe() ServeConfig {
 }
 
 // QuickServe is the serving loop of `bench --quick`: the quick run's
-// 1.0 GiB models, the limit and the tier scaled with them, 4 requests.
+// 1.0 GiB models, the limit and the tier scaled with them (the tables 2.3×
+// the limit, as by default), 3 requests of 16 steps.
 func QuickServe() ServeConfig {
 	s := DefaultServe()
 	big, _ := NewGeometry(GeometryBig, 2, 128<<10)
 	flash, _ := NewGeometry(GeometryFlash, 2, 2<<20)
 	s.Geometries = []Geometry{big, flash}
-	s.Spec.Requests = 4
+	s.Spec.Requests, s.Spec.Steps = 3, 16
 	s.MemLimit = 464 << 20
 	s.CacheSize = "192MiB"
 	s.BurstRuns = 20

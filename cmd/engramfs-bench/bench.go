@@ -1,9 +1,9 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"os/signal"
@@ -104,12 +104,12 @@ every column and target.`)
 	serveRanks := fl.String("serve-ranks", "1,4", "serving loop: rank process counts, each a run of its own (comma-separated)")
 	servePaths := fl.String("serve-paths", "", "serving loop: paths, comma-separated (default mmap,mmap-willneed,engramfs-willneed,engramfs-hints; engramfs, the mount without hints, too)")
 	serveLimit := fl.String("serve-mem-limit", "", "serving loop: the memory cgroup's limit over the ranks and the daemon, e.g. 1.25GiB; 0: no cgroup (default 1.25GiB, --quick 464MiB)")
-	fl.StringVar(&cfg.Serve.CacheSize, "serve-cache-size", "", "serving loop: the daemon's --cache-size, its pinned hot tier inside the limit (default 512MiB, --quick 192MiB)")
-	fl.IntVar(&cfg.Serve.Spec.Requests, "serve-requests", 0, "serving loop: requests (default 10, --quick 4)")
+	fl.StringVar(&cfg.Serve.CacheSize, "serve-cache-size", cfg.Serve.CacheSize, "serving loop: the daemon's --cache-size, its pinned hot tier inside the limit (--quick 192MiB)")
+	fl.IntVar(&cfg.Serve.Spec.Requests, "serve-requests", cfg.Serve.Spec.Requests, "serving loop: requests (--quick 3)")
 	fl.IntVar(&cfg.Serve.Spec.Chunks, "serve-chunks", cfg.Serve.Spec.Chunks, "serving loop: prefill chunks a request")
 	fl.IntVar(&cfg.Serve.Spec.ChunkRows, "serve-chunk-rows", cfg.Serve.Spec.ChunkRows, "serving loop: unique rows a layer a prefill chunk")
 	fl.Float64Var(&cfg.Serve.Spec.RareFraction, "serve-tail", cfg.Serve.Spec.RareFraction, "serving loop: fraction of a chunk's rows drawn from the far tail (rows no other chunk or step names; the Zipf-drawn rest has a tail of its own, and the report gives the share named once)")
-	fl.IntVar(&cfg.Serve.Spec.Steps, "serve-steps", cfg.Serve.Spec.Steps, "serving loop: decode steps a request")
+	fl.IntVar(&cfg.Serve.Spec.Steps, "serve-steps", cfg.Serve.Spec.Steps, "serving loop: decode steps a request (--quick 16)")
 	fl.DurationVar(&cfg.Serve.Compute, "serve-compute", cfg.Serve.Compute, "serving loop: compute a prefill chunk, during which the next chunk is prefetched")
 	fl.DurationVar(&cfg.Serve.DecodeCompute, "serve-decode-compute", cfg.Serve.DecodeCompute, "serving loop: compute after each decode step")
 	engramfs := engramfsFlag(fl)
@@ -131,16 +131,22 @@ every column and target.`)
 		}
 		return err
 	}
+	set := map[string]bool{}
+	fl.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	if *quick {
 		q := bench.QuickConfig()
 		cfg.Geometries, cfg.Decode.Steps, cfg.Prefill.Chunks, cfg.Compute, cfg.DiskTime = q.Geometries, q.Decode.Steps, q.Prefill.Chunks, q.Compute, q.DiskTime
 		cfg.Serve.Geometries, cfg.Serve.MemLimit, cfg.Serve.BurstRuns = q.Serve.Geometries, q.Serve.MemLimit, q.Serve.BurstRuns
-		cfg.Serve.Spec.Requests = cmp.Or(cfg.Serve.Spec.Requests, q.Serve.Spec.Requests)
-		cfg.Serve.CacheSize = cmp.Or(cfg.Serve.CacheSize, q.Serve.CacheSize)
+		if !set["serve-requests"] {
+			cfg.Serve.Spec.Requests = q.Serve.Spec.Requests
+		}
+		if !set["serve-steps"] {
+			cfg.Serve.Spec.Steps = q.Serve.Spec.Steps
+		}
+		if !set["serve-cache-size"] {
+			cfg.Serve.CacheSize = q.Serve.CacheSize
+		}
 	}
-	def := bench.DefaultServe()
-	cfg.Serve.Spec.Requests = cmp.Or(cfg.Serve.Spec.Requests, def.Spec.Requests)
-	cfg.Serve.CacheSize = cmp.Or(cfg.Serve.CacheSize, def.CacheSize)
 	cfg.Serve.Only = *serveOnly
 	cfg.Serve.Spec.StepRows, cfg.Serve.Spec.S = cfg.Decode.RowsPerStep, cfg.Decode.S
 	if *serveOnly && cfg.Serve.Skip {
