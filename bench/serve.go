@@ -190,6 +190,9 @@ type ServePath struct {
 	// (engramfs+hints).
 	Decode Summary  `json:"decode"`
 	Hint   *Summary `json:"hint,omitempty"`
+	// Steps and Chunks are each step's and chunk's time, in order.
+	Steps  []time.Duration `json:"step_ns"`
+	Chunks []time.Duration `json:"chunk_ns"`
 	// Chunk is each prefill chunk's wait for its prefetch + gather (the
 	// slowest rank's), and each part alone.
 	Chunk       Summary `json:"chunk"`
@@ -611,6 +614,7 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 		sp.Memory = &u
 	}
 	sp.Decode, sp.Chunk, sp.ChunkWait, sp.ChunkGather = Summarize(steps), Summarize(chunks), Summarize(waits), Summarize(gathers)
+	sp.Steps, sp.Chunks = steps, chunks
 	if hintTimes != nil {
 		h := Summarize(hintTimes)
 		sp.Hint = &h

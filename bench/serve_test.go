@@ -88,7 +88,7 @@ func TestServeTiny(t *testing.T) {
 			t.Errorf("%s: not measured: %s%s", p.Path, p.Skipped, p.Failed)
 			continue
 		}
-		if p.Decode.N != steps || p.Chunk.N != chunks || len(p.StepReads) != steps {
+		if p.Decode.N != steps || p.Chunk.N != chunks || len(p.StepReads) != steps || len(p.Steps) != steps || len(p.Chunks) != chunks {
 			t.Errorf("%s: %d steps, %d chunks, %d step reads timed; want %d, %d", p.Path, p.Decode.N, p.Chunk.N, len(p.StepReads), steps, chunks)
 		}
 		if p.Verified != wantVerified {
@@ -165,8 +165,11 @@ func TestServeInterrupted(t *testing.T) {
 	testenv.RequireFUSE(t)
 	cfg := tinyServe(t)
 	cfg.Serve.Paths = []PathID{PathHints}
-	cfg.Serve.Compute = 10 * time.Second // the cancel lands in a compute
-	runCanceled(t, cfg, "request 1/2, chunk 1/2")
+	// The cancel lands in a compute: a run that waited it out would take
+	// a minute, one that stops at once takes the daemon's and the ranks'
+	// stop, seconds even on a busy machine.
+	cfg.Serve.Compute = time.Minute
+	runCanceled(t, cfg, "request 1/2, chunk 1/2", cfg.Serve.Compute)
 	if left := ownCgroups(t); len(left) > 0 {
 		t.Errorf("cgroups left: %v", left)
 	}

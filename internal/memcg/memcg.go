@@ -266,9 +266,11 @@ func (g *Group) Wrapper() []string {
 
 // CountIO counts the block I/O of g's processes on the device major:minor
 // from now on (IO): v2's io.stat where the io controller can be had for
-// g, else a v1 blkio group of g's name, which counts only while it has a
-// throttle rule: it gets one no device reaches (a petabyte a second). Call
-// it before any process is in g (Wrapper puts them in both).
+// g, else a v1 blkio group of g's name. v1 counts a group's bios
+// (blkio.throttle.io_serviced) only on a device where some group has a
+// throttle rule (measured here: 0 reads counted without one, every one
+// with), so the group gets one that no device reaches, a petabyte a
+// second. Call it before any process is in g (Wrapper puts them in both).
 func (g *Group) CountIO(major, minor uint32) error {
 	mounts, err := procfs.Mounts()
 	if err != nil {
