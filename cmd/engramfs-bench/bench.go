@@ -61,9 +61,11 @@ reads a decode step, backing bytes per distinct page, daemon CPU per page, the
 hot tier's bytes, the cgroup's peak and refaults; and the serving targets.
 bench/README.md, "The serving loop", says how and why it is fair.
 
-The models (8.2 GiB each by default) are generated once into --model-dir and
-reused. On a 2-CPU VM the full run takes several minutes after generation
-(about 30 s per model); --quick a few (5 on a busy one). Needs root and
+The models (8.2 GiB each by default, 2.8 GiB each for the serving loop) are
+generated once into --model-dir and kept (the report ends with their sizes;
+--remove-models removes them). On a 2-CPU VM the full run takes several
+minutes after generation (about 30 s per model) and the serving loop about 12
+more; --quick a few (8 on a busy one, the serving loop 3 of them). Needs root and
 /dev/fuse for paths 4, 4' and 5 (skipped otherwise). bench/README.md explains
 every column and target.`)
 	quick := fl.Bool("quick", false, "a short run (1.1 GiB models, fewer steps and chunks): a few minutes")
