@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"syscall"
@@ -645,13 +646,15 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 	return sp, nil
 }
 
+// addStatus adds every count of s to sum, those a later daemon's barrier
+// adds to hints.Status included.
 func addStatus(sum *hints.Status, s hints.Status) {
-	sum.Frames += s.Frames
-	sum.Pages += s.Pages
-	sum.Resident += s.Resident
-	sum.Pinned += s.Pinned
-	sum.Dropped += s.Dropped
-	sum.Failed += s.Failed
+	sv, ov := reflect.ValueOf(s), reflect.ValueOf(sum).Elem()
+	for i := range ov.NumField() {
+		if f := ov.Field(i); f.Kind() == reflect.Uint64 {
+			f.SetUint(f.Uint() + sv.Field(i).Uint())
+		}
+	}
 }
 
 // withFlag is flags with flag set to value (replacing it if there), or

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/engramfs/engramfs/hints"
 	"github.com/engramfs/engramfs/internal/memcg"
 	"github.com/engramfs/engramfs/internal/stats"
 	"github.com/engramfs/engramfs/internal/testenv"
@@ -272,5 +273,13 @@ func TestServeArithmetic(t *testing.T) {
 		if !strings.Contains(b.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, b.String())
 		}
+	}
+}
+
+func TestAddStatus(t *testing.T) {
+	sum := hints.Status{Frames: 1, Pages: 10, Resident: 4, Pinned: 5, Dropped: 1}
+	addStatus(&sum, hints.Status{Frames: 2, Pages: 20, Resident: 15, Pinned: 3, Failed: 2})
+	if sum != (hints.Status{Frames: 3, Pages: 30, Resident: 19, Pinned: 8, Dropped: 1, Failed: 2}) {
+		t.Errorf("sum %+v", sum)
 	}
 }
