@@ -73,17 +73,18 @@ func MeasureBursts(ctx context.Context, files []string, ns []int, runs int) (*Bu
 				return nil, err
 			}
 			reqs := make([]*ioengine.Req, n)
-			left := n
-			var firstErr error
+			var left atomic.Int64
+			var firstErr atomic.Pointer[error]
+			left.Store(int64(n))
 			for i := range reqs {
 				fd, off := bs.pick(rng)
-				// Done runs on the engine's reaper, one at a time: left and
-				// firstErr need no lock, and the store to spin publishes them.
+				// Done runs on the io_uring reaper, or on any of the pread
+				// engine's workers at once.
 				reqs[i] = &ioengine.Req{Fd: fd, Off: off, Buf: bufs[i], Demand: true, Done: func(_ int, err error) {
-					if err != nil && firstErr == nil {
-						firstErr = err
+					if err != nil {
+						firstErr.CompareAndSwap(nil, &err)
 					}
-					if left--; left == 0 {
+					if left.Add(-1) == 0 {
 						spin.Store(1)
 					}
 				}}
@@ -97,8 +98,8 @@ func MeasureBursts(ctx context.Context, files []string, ns []int, runs int) (*Bu
 			for spin.Load() == 0 {
 				runtime.Gosched()
 			}
-			if err := firstErr; err != nil {
-				return nil, fmt.Errorf("burst floor: O_DIRECT read: %w", err)
+			if err := firstErr.Load(); err != nil {
+				return nil, fmt.Errorf("burst floor: O_DIRECT read: %w", *err)
 			}
 			times = append(times, time.Since(start))
 		}
