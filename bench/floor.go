@@ -42,9 +42,9 @@ type BurstPoint struct {
 
 // MeasureBursts times runs bursts of each size in ns, over random 4 KiB
 // blocks of files (O_DIRECT: the disk's own latency, no page cache), one
-// burst at a time, through the daemon's own read engine (io_uring where
-// the kernel allows it, one submission for the whole burst).
-func MeasureBursts(ctx context.Context, files []string, ns []int, runs int) (*BurstFloor, error) {
+// burst at a time, through the daemon's own read engine (engine: auto is
+// io_uring where the kernel allows it, one submission for the whole burst).
+func MeasureBursts(ctx context.Context, files []string, ns []int, runs int, engine string) (*BurstFloor, error) {
 	if len(ns) == 0 || runs < 1 {
 		return nil, fmt.Errorf("burst floor: need burst sizes and at least one run")
 	}
@@ -54,7 +54,7 @@ func MeasureBursts(ctx context.Context, files []string, ns []int, runs int) (*Bu
 	}
 	defer bs.close()
 	maxN := slices.Max(ns)
-	eng, _, err := ioengine.New("auto", maxN)
+	eng, _, err := ioengine.New(engine, maxN)
 	if err != nil {
 		return nil, fmt.Errorf("burst floor: %w", err)
 	}

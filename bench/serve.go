@@ -283,7 +283,7 @@ func serveRun(ctx context.Context, cfg *Config, dirs map[string]string, flags []
 	}
 	floor := func(when string) error {
 		prog.setPhase("serving loop: step floor (%s): bursts of %v random 4 KiB O_DIRECT reads", when, BurstSizes)
-		f, err := MeasureBursts(ctx, shards, BurstSizes, sc.BurstRuns)
+		f, err := MeasureBursts(ctx, shards, BurstSizes, sc.BurstRuns, "auto")
 		if err != nil {
 			return err
 		}
