@@ -175,11 +175,9 @@ func (r *geomRun) phase(ctx context.Context, p PathID, name string, d *daemonpro
 	if err != nil {
 		return nil, err
 	}
-	var mark daemonMark
-	if d != nil {
-		if mark, err = markDaemon(d); err != nil {
-			return nil, err
-		}
+	mark, err := markDaemon(d)
+	if err != nil {
+		return nil, err
 	}
 	clientBefore := selfCPU()
 
@@ -513,8 +511,12 @@ type daemonMark struct {
 	switches uint64
 }
 
+// markDaemon marks d now (nil: no daemon, a zero mark).
 func markDaemon(d *daemonproc.Daemon) (daemonMark, error) {
 	var m daemonMark
+	if d == nil {
+		return m, nil
+	}
 	var err error
 	if m.stats, err = d.Stats(); err != nil {
 		return m, err

@@ -517,11 +517,9 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 	if err != nil {
 		return nil, err
 	}
-	var mark daemonMark
-	if d != nil {
-		if mark, err = markDaemon(d); err != nil {
-			return nil, err
-		}
+	mark, err := markDaemon(d)
+	if err != nil {
+		return nil, err
 	}
 	sleep := func(dur time.Duration) error {
 		select {
