@@ -14,7 +14,6 @@ import (
 
 	units "github.com/docker/go-units"
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
@@ -131,7 +130,7 @@ FUSE directly).`)
 	d.startWarmUp()
 	gone := make(chan struct{})
 	go func() { d.srv.Wait(); close(gone) }()
-	detached := watchMountpoint(fl.Arg(1))
+	detached := d.srv.Detached()
 	select {
 	case s := <-sig:
 		log.Info("unmounting", zap.String("signal", s.String()))
@@ -145,32 +144,11 @@ FUSE directly).`)
 		// A lazy unmount from outside (engramfs unmount on a busy mount)
 		// hides the mount but keeps the connection alive while anything maps
 		// a file, the daemon's own pinned mappings included: let go of them.
+		// (A mount stacked on ours is no detach: fs.Server.Detached.)
 		log.Info("mount detached from outside", zap.String("mountpoint", d.srv.Mountpoint()))
 		d.notify("STOPPING=1\nSTATUS=detached from outside")
 		return d.stop(false)
 	}
-}
-
-// watchMountpoint closes the returned channel once mountpoint no longer
-// shows the mount (it was detached from outside). The root's attributes are
-// cached by the kernel, so the check rarely reaches FUSE.
-func watchMountpoint(mountpoint string) <-chan struct{} {
-	out := make(chan struct{})
-	var st unix.Stat_t
-	if err := unix.Stat(mountpoint, &st); err != nil {
-		return out
-	}
-	dev := st.Dev
-	go func() {
-		for {
-			time.Sleep(500 * time.Millisecond)
-			if err := unix.Stat(mountpoint, &st); err != nil || st.Dev != dev {
-				close(out)
-				return
-			}
-		}
-	}()
-	return out
 }
 
 // daemon is a running mount and everything it owns. Fields are nil until
