@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -276,5 +277,44 @@ func TestStopDetachesOnlyItsOwnMount(t *testing.T) {
 	}
 	if Mounted(mp) {
 		t.Fatalf("%s still mounted", mp)
+	}
+}
+
+// Mistakes at mount are refused (exit status 2, nothing mounted) or warned
+// about, each with a message naming the flag; each was accepted silently:
+// --cache-size=4 (4 bytes: the tier off), --queue-depth=0 (the default),
+// a state file in a missing directory (failed at stop, one log line), a
+// tier larger than the memory available.
+func TestMountMistakesAreCaught(t *testing.T) {
+	RequireFUSE(t)
+	dir, model, mp := helperTestbed(t)
+	for _, c := range []struct {
+		flags []string
+		want  string
+	}{
+		{[]string{"--cache-size=4"}, `--cache-size "4": a size needs a unit`},
+		{[]string{"--queue-depth=0"}, "--queue-depth 0: want at least 1"},
+		{[]string{"--prefetch-queue=-5"}, "--prefetch-queue -5"},
+		{[]string{"--state-file", filepath.Join(dir, "missing", "m.state")}, "does not exist"},
+	} {
+		expectMountRefusedWith(t, nil, c.flags, model, mp, c.want)
+		var exit *exec.ExitError
+		if out, err := runBounded(t, append(append([]string{Binary(t), "mount"}, c.flags...), model, mp)); !errors.As(err, &exit) || exit.ExitCode() != 2 {
+			t.Errorf("%q: %v, want exit status 2\n%s", c.flags, err, out)
+		}
+	}
+	mountHelper, _ := helperLinks(t, dir)
+	out, err := exec.Command(mountHelper, model, mp, "-o", "cache_size=4,log_file="+filepath.Join(dir, "l.log")).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "a size needs a unit") || Mounted(mp) {
+		t.Errorf("mount.fuse.engramfs -o cache_size=4: %v, mounted %v\n%s", err, Mounted(mp), out)
+	}
+	avail, err := procfs.FileKB("/proc/meminfo", "MemAvailable")
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := fmt.Sprintf("%dGiB", avail>>30+4)
+	d := MountAt(t, model, mp, "--cache-size", big)
+	if !strings.Contains(d.Log(), "more than the memory available") {
+		t.Errorf("--cache-size %s (MemAvailable %d MiB) mounted without a warning:\n%s", big, avail>>20, d.Log())
 	}
 }

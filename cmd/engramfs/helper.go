@@ -173,6 +173,9 @@ func mountArgs(h helperArgs, warn io.Writer) (flags []string, logFile string, er
 			return nil, "", usagef("-o %s needs a value (%s=...)", name, name)
 		}
 	}
+	if err := checkMountFlags(fl, &mf); err != nil {
+		return nil, "", err
+	}
 	return flags, logFile, nil
 }
 

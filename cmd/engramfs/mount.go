@@ -12,7 +12,6 @@ import (
 	"syscall"
 	"time"
 
-	units "github.com/docker/go-units"
 	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/backing"
@@ -107,6 +106,9 @@ FUSE directly).`)
 	}
 	if fl.NArg() != 2 {
 		return usagef("want MODEL_DIR and MOUNTPOINT, got %d arguments", fl.NArg())
+	}
+	if err := checkMountFlags(fl, &mf); err != nil {
+		return err
 	}
 	log, err := mf.logger()
 	if err != nil {
@@ -446,10 +448,11 @@ func (d *daemon) stop(unmount bool) error {
 // newHotCache builds the pinned hot tier over the daemon's own view of the
 // table files (through the mount, mapped lazily once it is live).
 func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
-	capacity, err := units.RAMInBytes(size)
-	if err != nil || capacity < 0 {
-		return nil, usagef("--cache-size %q: want a size such as 512MiB or 4G, or 0", size)
+	capacity, err := parseSize(size)
+	if err != nil {
+		return nil, usagef("--cache-size %q: %v", size, err)
 	}
+	warnCacheSize(capacity, log)
 	abs, err := filepath.Abs(mountpoint)
 	if err != nil {
 		return nil, err
