@@ -220,3 +220,20 @@ func DaemonPid(mountpoint string) (int, error) {
 		return 0, fmt.Errorf("its daemon did not answer within %v", daemonPidTimeout)
 	}
 }
+
+// explainMountError says what a refused mount needs: engramfs mounts FUSE
+// directly (mount(2), no fusermount), which takes root or CAP_SYS_ADMIN and
+// a /dev/fuse it may open. Alone, the errno said only "permission denied"
+// (/dev/fuse is 0600 on some systems) or "operation not permitted".
+func explainMountError(err error) error {
+	switch {
+	case errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM):
+		return fmt.Errorf("%w: engramfs mounts FUSE directly (mount(2), no fusermount), which needs root or CAP_SYS_ADMIN "+
+			"and read-write access to /dev/fuse: run it as root (sudo engramfs mount ...); in a container: --device /dev/fuse --cap-add SYS_ADMIN", err)
+	case errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENXIO):
+		if _, serr := os.Stat("/dev/fuse"); serr != nil {
+			return fmt.Errorf("%w: no /dev/fuse: load the fuse module (modprobe fuse); in a container: --device /dev/fuse", err)
+		}
+	}
+	return err
+}

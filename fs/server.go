@@ -198,7 +198,7 @@ func (s *Server) Serve(mountpoint string) error {
 	}
 	srv, err := fuse.NewServer(s.rawFS, mountpoint, &s.opts.MountOptions)
 	if err != nil {
-		return fmt.Errorf("mount %s: %w", mountpoint, err)
+		return fmt.Errorf("mount %s: %w", mountpoint, explainMountError(err))
 	}
 	go srv.Serve()
 	var own ownMount // unknown until the mount answers

@@ -318,3 +318,83 @@ func TestMountMistakesAreCaught(t *testing.T) {
 		t.Errorf("--cache-size %s (MemAvailable %d MiB) mounted without a warning:\n%s", big, avail>>20, d.Log())
 	}
 }
+
+// du of a mount counts its files' bytes: the control file keeps its 1 TiB
+// size (for the kernel's lock, fs.ControlSize) but reports no blocks; du -sh
+// of a 132 MiB model's mount said 1.1T.
+func TestDuCountsTheFiles(t *testing.T) {
+	d := Mount(t, tinyModel(t))
+	var blocks, size int64
+	err := filepath.Walk(d.Mountpoint, func(p string, fi os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		st := fi.Sys().(*syscall.Stat_t)
+		blocks += st.Blocks * 512
+		if fi.Mode().IsRegular() && fi.Name() != "control" {
+			size += fi.Size()
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if blocks > size+1<<20 {
+		t.Errorf("the mount's files take %d bytes of blocks, their bytes are %d", blocks, size)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(d.Mountpoint, ".engramfs", "control"), &st); err != nil || st.Size != 1<<40 || st.Blocks != 0 {
+		t.Errorf("control: size %d, %d blocks (%v); want 1 TiB and none", st.Size, st.Blocks, err)
+	}
+}
+
+// sharedDir is a temporary directory other users can enter (t.TempDir is
+// 0700), removed when t ends.
+func sharedDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "engramfs-shared-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// A mount by a user who may not mount FUSE says what it needs (root or
+// CAP_SYS_ADMIN, /dev/fuse), as the demo does: it said only "permission
+// denied".
+func TestNonRootMountIsExplained(t *testing.T) {
+	RequireFUSE(t)
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to run a command as another user")
+	}
+	dir := sharedDir(t)
+	spec := backing.DefaultSynth()
+	spec.Rows = 64
+	model, mp, bin := filepath.Join(dir, "model"), filepath.Join(dir, "mnt"), filepath.Join(dir, "engramfs")
+	if err := backing.Synthesize(model, spec); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(mp, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Link(Binary(t), bin); err != nil {
+		t.Skipf("cannot link the binary where nobody can run it: %v", err)
+	}
+	out, err := asNobody(bin + " mount --cache-size 0 " + model + " " + mp)
+	if err == nil {
+		_ = syscall.Unmount(mp, syscall.MNT_DETACH)
+		t.Fatalf("nobody mounted:\n%s", out)
+	}
+	for _, w := range []string{"root", "CAP_SYS_ADMIN", "/dev/fuse"} {
+		if !strings.Contains(out, w) {
+			t.Errorf("the refusal does not mention %q:\n%s", w, out)
+		}
+	}
+	if Mounted(mp) {
+		t.Errorf("%s mounted", mp)
+	}
+}

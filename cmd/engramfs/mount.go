@@ -51,7 +51,7 @@ func (f *mountFlags) register(fl interface {
 	Var(flag.Value, string, string)
 }) {
 	fl.StringVar(&f.tablePattern, "table-pattern", backing.DefaultTablePattern,
-		"regular expression that picks the engram tables among the tensors; named groups `layer` and `table` say which layer and table a tensor is")
+		"regular expression that picks the engram tables among the tensors; its named groups (?P<layer>...) and (?P<table>...) say which layer and table a tensor is")
 	fl.IntVar(&f.queueDepth, "queue-depth", 0, "backing reads in flight at most, across all shards (default 64; 256 for an object store, where a read is a GET with ~20 ms to its first byte)")
 	fl.StringVar(&f.backingIO, "backing-io", "auto",
 		"how shards are read: direct (O_DIRECT, no backing page cache), buffered (FADV_RANDOM, FADV_DONTNEED after each read), or auto (direct where the filesystem accepts it)")

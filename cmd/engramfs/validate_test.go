@@ -1,6 +1,7 @@
 package main
 
 import (
+	"flag"
 	"os"
 	"path/filepath"
 	"strings"
@@ -92,4 +93,20 @@ func TestWarnCacheSize(t *testing.T) {
 	if logs.Len() != 0 {
 		t.Errorf("a 1 MiB tier warned: %v", logs.All())
 	}
+}
+
+// A backquoted word in a flag's usage becomes the name of its value in
+// --help: "named groups `layer` and `table`" showed as -table-pattern layer.
+func TestMountHelpNamesValuesByType(t *testing.T) {
+	var mf mountFlags
+	fl := newFlagSet("mount", "", "")
+	mf.register(fl)
+	mf.logFlags.register(fl)
+	fl.VisitAll(func(f *flag.Flag) {
+		switch name, _ := flag.UnquoteUsage(f); name {
+		case "", "string", "int", "value", "duration", "uint", "float":
+		default:
+			t.Errorf("--help shows -%s %s: a backquoted word in its usage", f.Name, name)
+		}
+	})
 }
