@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -14,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/daemonproc"
 	"github.com/engramfs/engramfs/internal/procfs"
 	"github.com/engramfs/engramfs/internal/testenv"
 )
@@ -396,5 +398,61 @@ func TestNonRootMountIsExplained(t *testing.T) {
 	}
 	if Mounted(mp) {
 		t.Errorf("%s mounted", mp)
+	}
+}
+
+// A new daemon started on a mountpoint right after SIGTERM to the old one,
+// while the old one's stop is still unmounting (a reader maps a table: it
+// retries, then detaches lazily): the new one either mounts and keeps
+// serving, or is refused with the old daemon's pid. Before, it stacked on
+// the old mount, the old daemon's detach by path took the new mount, and
+// both exited 0 (issue 24).
+func TestRestartRightAfterSIGTERM(t *testing.T) {
+	model := tinyModel(t)
+	mp := filepath.Join(t.TempDir(), "mnt")
+	if err := os.Mkdir(mp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cleanupMount(t, mp)
+	table := filepath.Join(mp, "layers", "0", "weight.safetensors")
+	for i := range 4 {
+		old := MountAt(t, model, mp)
+		f, err := os.Open(table)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := unix.Mmap(int(f.Fd()), 0, 4096, unix.PROT_READ, unix.MAP_SHARED)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		Touch(m, 0)
+		if err := old.Signal(syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Duration(i) * 50 * time.Millisecond)
+		next, err := daemonproc.Start(context.Background(), daemonproc.Options{Binary: Binary(t), ModelDir: model, Mountpoint: mp})
+		waitExit(t, old, 30*time.Second, "after SIGTERM")
+		_ = unix.Munmap(m)
+		if err != nil {
+			if want := fmt.Sprintf("pid %d", old.Pid()); !strings.Contains(err.Error(), "already mounted") || !strings.Contains(err.Error(), want) {
+				t.Fatalf("round %d: the new daemon failed without naming the old one (%s): %v", i, want, err)
+			}
+			t.Logf("round %d: refused while the old daemon stopped", i)
+			continue
+		}
+		t.Logf("round %d: mounted once the old daemon had let go", i)
+		time.Sleep(1500 * time.Millisecond) // three looks of the new daemon's watcher
+		select {
+		case <-next.Exited():
+			t.Fatalf("round %d: the new daemon exited after the old one stopped:\n%s\nthe old one's log:\n%s", i, next.Summary(), old.Log())
+		default:
+		}
+		if pid := daemonPid(t, mp); pid != next.Pid() {
+			t.Fatalf("round %d: %s served by %d, want the new daemon %d", i, mp, pid, next.Pid())
+		}
+		if err := next.Stop(); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
