@@ -96,8 +96,10 @@ files, in a directory or under an object store prefix s3://bucket/prefix
 (see the --s3-* flags; credentials come from the AWS environment variables).
 From an object store, every GET is a ranged GET of the bytes asked,
 conditional on the ETag seen at mount: a shard rewritten under the mount
-gives EIO, never other bytes. Must run as root (or with the right to mount
-FUSE directly).`)
+gives EIO, never other bytes. Must run as root (or with CAP_SYS_ADMIN and
+/dev/fuse: FUSE is mounted directly). A MOUNTPOINT with a live engramfs
+mount is refused, naming its daemon's pid; one left dead by a killed daemon
+is cleaned up. Counts must be positive and sizes need a unit (0 excepted).`)
 	var mf mountFlags
 	mf.register(fl)
 	mf.logFlags.register(fl)
