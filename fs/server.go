@@ -342,7 +342,7 @@ func unmount(srv *fuse.Server, mountpoint string, own ownMount, log *zap.Logger)
 		}
 		err := unix.Unmount(mountpoint, 0)
 		if err == nil {
-			srv.Wait() // the kernel ended the session: the serve loops return
+			waitSessionEnd(srv, mountpoint, log)
 			return nil
 		}
 		if !errors.Is(err, syscall.EBUSY) {
@@ -364,6 +364,23 @@ func unmount(srv *fuse.Server, mountpoint string, own ownMount, log *zap.Logger)
 	}
 	log.Warn("mount busy (a reader still maps a file): detached it lazily", zap.String("mountpoint", mountpoint))
 	return nil
+}
+
+// sessionEndTimeout bounds the wait for the serve loops after an unmount.
+const sessionEndTimeout = 10 * time.Second
+
+// waitSessionEnd waits for the serve loops to return once the kernel has
+// ended the session (as go-fuse's own Unmount does), but not forever: if the
+// unmount reached another mount (stacked in the microseconds after the
+// check), the session goes on and the daemon must still stop.
+func waitSessionEnd(srv *fuse.Server, mountpoint string, log *zap.Logger) {
+	done := make(chan struct{})
+	go func() { srv.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(sessionEndTimeout):
+		log.Error("the FUSE session did not end after the unmount; stopping anyway", zap.String("mountpoint", mountpoint))
+	}
 }
 
 // TablePath is where table id lives in the mount ("" before Serve).
