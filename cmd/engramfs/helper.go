@@ -173,7 +173,7 @@ func mountArgs(h helperArgs, warn io.Writer) (flags []string, logFile string, er
 			return nil, "", usagef("-o %s needs a value (%s=...)", name, name)
 		}
 	}
-	if err := checkMountFlags(fl, &mf); err != nil {
+	if err := checkMountValues(fl, &mf); err != nil { // the state file's directory: the daemon's
 		return nil, "", err
 	}
 	return flags, logFile, nil

@@ -21,11 +21,23 @@ import (
 // and showed only later, or never.
 
 // checkMountFlags checks the flags of engramfs mount that fl parsed into
-// mf; the flags fl saw set are the ones given, which a default of 0
-// (--queue-depth: the default for the source) cannot tell apart otherwise.
-// It also makes the state file's directory when it is the documented
-// default (defaultStateDir).
+// mf (checkMountValues), and prepares the state file's directory.
 func checkMountFlags(fl *flag.FlagSet, mf *mountFlags) error {
+	if err := checkMountValues(fl, mf); err != nil {
+		return err
+	}
+	if mf.stateFile != "" {
+		return prepareStateDir(mf.stateFile)
+	}
+	return nil
+}
+
+// checkMountValues checks the counts and sizes among the flags fl parsed
+// into mf, with no side effect (the mount(8) helper checks them before it
+// starts the daemon); the flags fl saw set are the ones given, which a
+// default of 0 (--queue-depth: the default for the source) cannot tell
+// apart otherwise.
+func checkMountValues(fl *flag.FlagSet, mf *mountFlags) error {
 	given := map[string]bool{}
 	fl.Visit(func(f *flag.Flag) { given[f.Name] = true })
 	// Counts: 0 was replaced by the default, silently (--queue-depth=0).
@@ -51,11 +63,6 @@ func checkMountFlags(fl *flag.FlagSet, mf *mountFlags) error {
 		}
 		if _, err := parseSize(s.v); err != nil {
 			return usagef("--%s %q: %v", s.name, s.v, err)
-		}
-	}
-	if mf.stateFile != "" {
-		if err := prepareStateDir(mf.stateFile); err != nil {
-			return err
 		}
 	}
 	return nil
