@@ -158,6 +158,15 @@ const watchInterval = 500 * time.Millisecond
 func (s *Server) Detached() <-chan struct{} {
 	out := make(chan struct{})
 	s.mu.Lock()
+	if s.own.id == 0 && s.srv != nil {
+		// A session Serve did not mount itself (one handed over): find
+		// the mount it serves now.
+		if own, err := findOwnMount(s.mountpoint); err == nil {
+			s.own = own
+		} else {
+			s.log.Warn("watching the mount: cannot identify it; a detach from outside will not be seen", zap.Error(err))
+		}
+	}
 	own := s.own
 	s.mu.Unlock()
 	if own.id == 0 {
