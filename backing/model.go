@@ -245,7 +245,7 @@ func LoadSourceChecked(src Source, pattern string, check func(tables, shards int
 		m.Tables = append(m.Tables, t)
 	}
 	if len(m.Tables) == 0 {
-		return nil, fmt.Errorf("model directory %s: no tensor matches the table pattern %q", dir, pattern)
+		return nil, fmt.Errorf("model directory %s: no tensor matches the table pattern %q; %s", dir, pattern, someTensors(weightMap, headers))
 	}
 
 	sort.SliceStable(m.Tables, func(i, j int) bool {
@@ -341,4 +341,33 @@ func readIndex(src Source, path string) (map[string]string, error) {
 		return nil, fmt.Errorf("%s: no weight_map", path)
 	}
 	return idx.WeightMap, nil
+}
+
+// someTensors names a few of the tensors a model has, for the error of a
+// table pattern that matched none of them: the names show what the pattern
+// should have been.
+func someTensors(weightMap map[string]string, headers map[string]*Header) string {
+	var names []string
+	for n := range weightMap {
+		names = append(names, n)
+	}
+	if weightMap == nil {
+		for _, h := range headers {
+			names = append(names, h.sortedNames()...)
+		}
+	}
+	if len(names) == 0 {
+		return "it has no tensors"
+	}
+	sort.Strings(names)
+	const show = 5
+	quoted := make([]string, 0, show)
+	for _, n := range names[:min(show, len(names))] {
+		quoted = append(quoted, strconv.Quote(n))
+	}
+	more := ""
+	if len(names) > show {
+		more = fmt.Sprintf(", ... (%d in all)", len(names))
+	}
+	return "its tensors are named like " + strings.Join(quoted, ", ") + more
 }

@@ -464,7 +464,11 @@ func TestLoadRefusesBadPatternAndDir(t *testing.T) {
 				os.Remove(filepath.Join(d, IndexFile))
 			}
 			m, err := Load(d, pattern)
+			// The error shows names the model has: what the pattern missed.
 			wantRefusal(t, m, err, d, "no tensor matches the table pattern")
+			if want := `"embed_tokens.weight", "layers.0.engram.embed.scale"`; err == nil || !strings.Contains(err.Error(), want) {
+				t.Errorf("glob %v: error %v does not show the model's names (%s)", glob, err, want)
+			}
 		}
 	})
 	t.Run("no-such-dir", func(t *testing.T) {

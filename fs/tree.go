@@ -140,7 +140,9 @@ func (r *root) OnAdd(ctx context.Context) {
 
 	ctl := addDir(&r.Inode, ControlDir)
 	addFile(ctl, StatsFile, &statsFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o444, 0)}, st: r.o.Stats})
-	addFile(ctl, ControlFile, &controlFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o600, ControlSize)}, r: r,
+	ctlAttr := r.attr(syscall.S_IFREG|0o600, ControlSize)
+	ctlAttr.Blocks = 0 // ControlSize is for the kernel's lock, not bytes: du counts none
+	addFile(ctl, ControlFile, &controlFile{roFile: roFile{attr: ctlAttr}, r: r,
 		wait: timeBarrier(waitBarrier, r.o.Stats.Timings)})
 }
 

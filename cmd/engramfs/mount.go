@@ -12,9 +12,7 @@ import (
 	"syscall"
 	"time"
 
-	units "github.com/docker/go-units"
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
@@ -53,7 +51,7 @@ func (f *mountFlags) register(fl interface {
 	Var(flag.Value, string, string)
 }) {
 	fl.StringVar(&f.tablePattern, "table-pattern", backing.DefaultTablePattern,
-		"regular expression that picks the engram tables among the tensors; named groups `layer` and `table` say which layer and table a tensor is")
+		"regular expression that picks the engram tables among the tensors; its named groups (?P<layer>...) and (?P<table>...) say which layer and table a tensor is")
 	fl.IntVar(&f.queueDepth, "queue-depth", 0, "backing reads in flight at most, across all shards (default 64; 256 for an object store, where a read is a GET with ~20 ms to its first byte)")
 	fl.StringVar(&f.backingIO, "backing-io", "auto",
 		"how shards are read: direct (O_DIRECT, no backing page cache), buffered (FADV_RANDOM, FADV_DONTNEED after each read), or auto (direct where the filesystem accepts it)")
@@ -98,8 +96,10 @@ files, in a directory or under an object store prefix s3://bucket/prefix
 (see the --s3-* flags; credentials come from the AWS environment variables).
 From an object store, every GET is a ranged GET of the bytes asked,
 conditional on the ETag seen at mount: a shard rewritten under the mount
-gives EIO, never other bytes. Must run as root (or with the right to mount
-FUSE directly).`)
+gives EIO, never other bytes. Must run as root (or with CAP_SYS_ADMIN and
+/dev/fuse: FUSE is mounted directly). A MOUNTPOINT with a live engramfs
+mount is refused, naming its daemon's pid; one left dead by a killed daemon
+is cleaned up. Counts must be positive and sizes need a unit (0 excepted).`)
 	var mf mountFlags
 	mf.register(fl)
 	mf.logFlags.register(fl)
@@ -108,6 +108,9 @@ FUSE directly).`)
 	}
 	if fl.NArg() != 2 {
 		return usagef("want MODEL_DIR and MOUNTPOINT, got %d arguments", fl.NArg())
+	}
+	if err := checkMountFlags(fl, &mf); err != nil {
+		return err
 	}
 	log, err := mf.logger()
 	if err != nil {
@@ -131,7 +134,7 @@ FUSE directly).`)
 	d.startWarmUp()
 	gone := make(chan struct{})
 	go func() { d.srv.Wait(); close(gone) }()
-	detached := watchMountpoint(fl.Arg(1))
+	detached := d.srv.Detached()
 	select {
 	case s := <-sig:
 		log.Info("unmounting", zap.String("signal", s.String()))
@@ -145,32 +148,11 @@ FUSE directly).`)
 		// A lazy unmount from outside (engramfs unmount on a busy mount)
 		// hides the mount but keeps the connection alive while anything maps
 		// a file, the daemon's own pinned mappings included: let go of them.
+		// (A mount stacked on ours is no detach: fs.Server.Detached.)
 		log.Info("mount detached from outside", zap.String("mountpoint", d.srv.Mountpoint()))
 		d.notify("STOPPING=1\nSTATUS=detached from outside")
 		return d.stop(false)
 	}
-}
-
-// watchMountpoint closes the returned channel once mountpoint no longer
-// shows the mount (it was detached from outside). The root's attributes are
-// cached by the kernel, so the check rarely reaches FUSE.
-func watchMountpoint(mountpoint string) <-chan struct{} {
-	out := make(chan struct{})
-	var st unix.Stat_t
-	if err := unix.Stat(mountpoint, &st); err != nil {
-		return out
-	}
-	dev := st.Dev
-	go func() {
-		for {
-			time.Sleep(500 * time.Millisecond)
-			if err := unix.Stat(mountpoint, &st); err != nil || st.Dev != dev {
-				close(out)
-				return
-			}
-		}
-	}()
-	return out
 }
 
 // daemon is a running mount and everything it owns. Fields are nil until
@@ -468,10 +450,11 @@ func (d *daemon) stop(unmount bool) error {
 // newHotCache builds the pinned hot tier over the daemon's own view of the
 // table files (through the mount, mapped lazily once it is live).
 func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
-	capacity, err := units.RAMInBytes(size)
-	if err != nil || capacity < 0 {
-		return nil, usagef("--cache-size %q: want a size such as 512MiB or 4G, or 0", size)
+	capacity, err := parseSize(size)
+	if err != nil {
+		return nil, usagef("--cache-size %q: %v", size, err)
 	}
+	warnCacheSize(capacity, log)
 	abs, err := filepath.Abs(mountpoint)
 	if err != nil {
 		return nil, err

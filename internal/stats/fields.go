@@ -222,7 +222,7 @@ var Fields = []Field{
 		"The daemon's goroutine count when the snapshot was taken: a leak shows as a count that never comes back down.",
 		"goroutines"},
 	{"pid", Info, "", GroupDaemon, "daemon process id",
-		"The daemon's process id (umount.fuse.engramfs waits for it to exit).",
+		"The daemon's process id: engramfs unmount and umount.fuse.engramfs wait for it to exit, and a second mount on the mountpoint is refused naming it.",
 		""},
 
 	{LayerPrefix + "pushed", Counter, "pages", GroupLayers, "pages pushed",
