@@ -51,6 +51,9 @@ type Options struct {
 	AllowOther bool
 	// Debug logs every FUSE request (very verbose).
 	Debug bool
+	// ControlHandles bounds the open handles of the control file (ENFILE
+	// past it); 0 is DefaultControlHandles.
+	ControlHandles int
 
 	uid, gid uint32
 	hotLog   *zap.Logger

@@ -185,6 +185,12 @@ var Fields = []Field{
 	{"hint_refused", Counter, "writes", GroupHints, "writes refused: decode backlog full (EAGAIN)",
 		"Control file writes refused with EAGAIN, before decoding, because the handle's queued decode work was at its limit.",
 		"hint_refused_total"},
+	{"control_handles", Gauge, "handles", GroupHints, "control-file handles open",
+		"Handles of .engramfs/control open now; at most --control-handles.",
+		"control_handles"},
+	{"control_handles_refused", Counter, "opens", GroupHints, "control-file opens refused: too many open",
+		"Opens of .engramfs/control refused with ENFILE because --control-handles handles were open already.",
+		"control_handles_refused_total"},
 
 	{"prefetch_pages_queued", Counter, "pages", GroupPrefill, "pages queued by hints and warm restart",
 		"Pages put on a prefetch queue by hints and the warm restart (a page already pinned, queued or being fetched is not queued again, unless a decode hint moves a queued prefill page up).",
@@ -210,6 +216,9 @@ var Fields = []Field{
 	{"prefetch_pages_failed", Counter, "pages", GroupPrefill, "hinted pages that settled as failed",
 		"Hinted pages that settled as failed: their backing read or their push failed, or a page a fault served could not be confirmed in the page cache.",
 		"prefetch_pages_failed_total"},
+	{"prefetch_pages_released", Counter, "pages", GroupPrefill, "queued pages dropped: their handle closed",
+		"Queued hinted pages (prefill or decode) dropped unfetched because every control-file handle that asked for them was closed (its process ended or was killed).",
+		"prefetch_pages_released_total"},
 
 	{"warm_pages_total", Gauge, "pages", GroupWarm, "saved hot pages to fetch again",
 		"Pages of the saved hot set that the warm restart fetches again (0 without a state file).",
