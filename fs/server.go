@@ -301,7 +301,9 @@ func (s *Server) Unmount() error {
 	if srv == nil {
 		return nil
 	}
-	return unmount(srv, mp, s.log)
+	// Name what may hold it: only control handles being open was logged
+	// as "a reader still maps a file".
+	return unmount(srv, mp, s.log.With(zap.Int64("control_handles_open", s.root.o.Stats.ControlHandles.Load())))
 }
 
 // unmount unmounts srv from mountpoint, lazily when it is busy.
@@ -316,7 +318,7 @@ func unmount(srv *fuse.Server, mountpoint string, log *zap.Logger) error {
 	if derr := unix.Unmount(mountpoint, unix.MNT_DETACH); derr != nil {
 		return fmt.Errorf("unmount %s: busy, and lazy unmount failed: %w", mountpoint, derr)
 	}
-	log.Warn("mount busy (a reader still maps a file): detached it lazily", zap.String("mountpoint", mountpoint))
+	log.Warn("mount busy (a file of it is open or mapped, or a control handle): detached it lazily", zap.String("mountpoint", mountpoint))
 	return nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -140,5 +141,21 @@ func TestClosedHandlesPrefillIsDropped(t *testing.T) {
 	// read; the rest was dropped.
 	if s.PrefetchPagesReleased+64 < queued {
 		t.Fatalf("%d of %d queued pages released; want all but those in flight", s.PrefetchPagesReleased, queued)
+	}
+}
+
+// A stop while only a control handle is open detaches the mount lazily and
+// says so without blaming a reader's mapping: "a reader still maps a file"
+// was logged when nothing but the control file was open.
+func TestBusyUnmountNamesTheControlHandles(t *testing.T) {
+	d := Mount(t, Synth(t, geometries()["4096B"]))
+	openControl(t, d)
+	d.Stop(t)
+	log := d.Log()
+	if strings.Contains(log, "a reader still maps a file") {
+		t.Fatalf("the lazy detach blamed a reader's mapping with only a control handle open:\n%s", log)
+	}
+	if !strings.Contains(log, "detached it lazily") || !strings.Contains(log, "control_handles_open") {
+		t.Fatalf("no lazy detach naming the open control handles logged:\n%s", log)
 	}
 }

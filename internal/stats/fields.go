@@ -183,7 +183,7 @@ var Fields = []Field{
 		"Control file writes failed with EINVAL because they delivered a bad frame field (the handle's stream is reset).",
 		"hint_rejected_total"},
 	{"hint_refused", Counter, "writes", GroupHints, "writes refused: decode backlog full (EAGAIN)",
-		"Control file writes refused with EAGAIN, before decoding, because the handle's queued decode work was at its limit.",
+		"Control file writes that start a decode frame refused with EAGAIN, before decoding, because the handle's queued decode work was at its limit (prefill frames are never refused).",
 		"hint_refused_total"},
 	{"control_handles", Gauge, "handles", GroupHints, "control-file handles open",
 		"Handles of .engramfs/control open now; at most --control-handles.",
