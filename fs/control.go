@@ -238,8 +238,9 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 // larger than the bound is taken a write at a time as room comes, so a
 // handle holds at most the bound plus one write's pages (one 1M-row frame
 // queued all its 1,048,448 pages at once when only a frame's start was
-// checked). A signal interrupts the wait (EINTR, nothing of this write
-// taken; the kernel reports the writes before it as a short write).
+// checked). A signal interrupts the wait: EINTR, nothing of this write
+// taken, and the stream reset (the kernel reports the writes before it as
+// a short write, the end of that frame for the clients).
 // Prefill frames are never held back: their queue drops the oldest work.
 //
 // REQUIRES(h.mu)
@@ -260,6 +261,11 @@ func (c *controlFile) decodeRoom(ctx context.Context, h *controlHandle, data []b
 		return 0
 	}
 	if err := h.b.WaitDecodeRoom(ctx, limit); err != nil {
+		// The kernel returns the requests taken before this one as a
+		// short write, which the clients treat as an error and never
+		// resend: the rest of the frame is not coming, so the next write
+		// starts a new one.
+		h.dec.Reset()
 		return syscall.EINTR
 	}
 	return 0

@@ -615,6 +615,12 @@ func TestControlDecodeFrameWaitsForRoom(t *testing.T) {
 	if q := tr.st.PrefetchPagesQueued.Load(); q != queued {
 		t.Fatalf("%d pages queued after the interrupted write, want %d: it took rows", q, queued)
 	}
+	// The interrupted frame is over (the kernel reported a short write):
+	// the next write starts a new frame.
+	frames := tr.st.HintFrames.Load()
+	if _, s := tr.write(node, fh, 0, hints.AppendBinary(nil, hints.Prefill, 0, rows[:3])); s != fuse.OK || tr.st.HintFrames.Load() != frames+1 {
+		t.Fatalf("a frame after the interrupted one: %v, %d frames (was %d); want it taken whole", s, tr.st.HintFrames.Load(), frames)
+	}
 
 	// A handle whose decode backlog is full between frames: its next
 	// decode frame is refused with EAGAIN, its prefill frames never are.
@@ -631,10 +637,16 @@ func TestControlDecodeFrameWaitsForRoom(t *testing.T) {
 		}
 	}
 
-	// Once the reads go on, the same write waits for room and is taken.
+	// Once the reads go on, a frame's later write waits for room and is
+	// taken.
+	fh3 := tr.open(node, syscall.O_RDWR).Fh
+	if _, s := tr.write(node, fh3, 0, frame[:first]); s != fuse.OK {
+		t.Fatalf("first write of a frame on a third handle: %v", s)
+	}
 	close(gate)
 	done := make(chan fuse.Status, 1)
 	go func() {
+		in := fuse.WriteIn{InHeader: tr.hdr(node), Fh: fh3, Size: uint32(len(frame) - first)}
 		_, s := tr.raw.Write(nil, &in, frame[first:])
 		done <- s
 	}()
