@@ -22,6 +22,8 @@ type HintSink interface {
 	// SubmitPart queues the rows one write delivered of a frame; frameEnd
 	// says the frame is complete. It never waits for fetches or queue room.
 	SubmitPart(b *prefetch.Barrier, class hints.Class, layer int, rows []uint64, frameEnd bool)
+	// Release drops the work only b's handle waited for: it was closed.
+	Release(b *prefetch.Barrier)
 	Config() prefetch.Config
 }
 
@@ -48,9 +50,18 @@ const ControlSize = 1 << 40
 // statusLineMax bounds the barrier's JSON line; a read must offer this much.
 const statusLineMax = 256
 
+// DefaultControlHandles is how many control-file handles may be open at
+// once (--control-handles). A node runs a few ranks with one or two handles
+// each; the bound is for a client that leaks handles, since each may hold
+// --decode-queue pages of decode work and one write more (measured: 131 B
+// of heap a queued page, so ~13 MB a handle at the default bound and 4096 B
+// rows, ~830 MB for 64 handles all full; docs/design.md, Hints).
+const DefaultControlHandles = 64
+
 // controlHandle is one open of the control file: its own frame stream and
 // its own barrier.
 type controlHandle struct {
+	c   *controlFile
 	mu  sync.Mutex // serialises writes: the stream is ordered per handle
 	dec *hints.Decoder
 	b   *prefetch.Barrier
@@ -66,6 +77,7 @@ var (
 	_ = (gofs.NodeReader)((*controlFile)(nil))
 	_ = (gofs.NodeFsyncer)((*controlFile)(nil))
 	_ = (gofs.NodeSetattrer)((*controlFile)(nil))
+	_ = (gofs.FileReleaser)((*controlHandle)(nil))
 )
 
 // Open admits the daemon's own user only: with allow_other, other users
@@ -81,8 +93,41 @@ func (c *controlFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, 
 	if caller, ok := fuse.FromContext(ctx); ok && caller.Uid != c.r.o.uid {
 		return nil, 0, syscall.EACCES
 	}
-	h := &controlHandle{dec: hints.NewStreamDecoder(c.r.o.Model), b: prefetch.NewBarrier(), layer: stats.BarrierNoLayer}
+	if !c.takeHandle() {
+		return nil, 0, syscall.ENFILE
+	}
+	h := &controlHandle{c: c, dec: hints.NewStreamDecoder(c.r.o.Model), b: prefetch.NewBarrier(), layer: stats.BarrierNoLayer}
 	return h, fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES | fuse.FOPEN_STREAM, 0
+}
+
+// takeHandle counts one more open handle, or refuses it (counted, logged)
+// when Options.ControlHandles are open already.
+func (c *controlFile) takeHandle() bool {
+	o := c.r.o
+	limit := int64(o.ControlHandles)
+	if limit <= 0 {
+		limit = DefaultControlHandles
+	}
+	if o.Stats.ControlHandles.Add(1) <= limit {
+		return true
+	}
+	o.Stats.ControlHandles.Add(-1)
+	o.Stats.ControlHandlesRefused.Add(1)
+	o.hotLog.Warn("control file open refused: too many handles open", zap.Int64("control_handles", limit))
+	return false
+}
+
+// Release ends the handle: the frames it hinted that nobody else waits for
+// are dropped (the process that sent them may have been killed, and the
+// pages would be fetched for nobody), and its slot is free again. A partial
+// frame is dropped with the decoder.
+func (h *controlHandle) Release(ctx context.Context) syscall.Errno {
+	o := h.c.r.o
+	if o.hints != nil {
+		o.hints.Release(h.b)
+	}
+	o.Stats.ControlHandles.Add(-1)
+	return 0
 }
 
 // Setattr accepts the truncate of `echo ... > control` (there is nothing to
@@ -142,11 +187,11 @@ func waitBarrier(ctx context.Context, h *controlHandle) (prefetch.Status, error)
 // write that delivers its first bad field with EINVAL (frames and rows
 // before it are still accepted) and resets the stream. While the handle has
 // more decode work queued than prefetch.Config.DecodeQueuePages, a write
-// that starts a frame is refused with EAGAIN before a byte of it is
+// that starts a decode frame is refused with EAGAIN before a byte of it is
 // decoded, so the client sends the same frame again; a frame already begun
-// is always finished (a frame is one write(2) for our clients, so EAGAIN
-// never leaves a short write behind). Prefill work is never refused: the
-// oldest is dropped, counted, instead.
+// is always finished, a write at a time as the backlog has room
+// (decodeRoom). Prefill work is never refused: the oldest is dropped,
+// counted, instead.
 func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte, off int64) (uint32, syscall.Errno) {
 	h, ok := fh.(*controlHandle)
 	if !ok {
@@ -154,10 +199,9 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 	}
 	o := c.r.o
 	h.mu.Lock()
-	if o.hints != nil && h.dec.AtFrameStart() && h.b.DecodeBacklog() >= o.hints.Config().DecodeQueuePages {
+	if errno := c.decodeRoom(ctx, h, data); errno != 0 {
 		h.mu.Unlock()
-		o.Stats.HintRefused.Add(1)
-		return 0, syscall.EAGAIN
+		return 0, errno
 	}
 	parts, err := h.dec.Write(data)
 	for _, f := range parts {
@@ -186,6 +230,47 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 		return 0, syscall.EIO
 	}
 	return uint32(len(data)), 0
+}
+
+// decodeRoom bounds the handle's decode backlog before a write of decode
+// rows is decoded. A write that starts a decode frame while the backlog is
+// at --decode-queue is refused with EAGAIN, nothing of it taken. A write
+// that continues a decode frame waits until the workers bring the backlog
+// under the bound: a frame already begun is always finished, but a frame
+// larger than the bound is taken a write at a time as room comes, so a
+// handle holds at most the bound plus one write's pages (one 1M-row frame
+// queued all its 1,048,448 pages at once when only a frame's start was
+// checked). A signal interrupts the wait: EINTR, nothing of this write
+// taken, and the stream reset (the kernel reports the writes before it as
+// a short write, the end of that frame for the clients).
+// Prefill frames are never held back: their queue drops the oldest work.
+//
+// REQUIRES(h.mu)
+func (c *controlFile) decodeRoom(ctx context.Context, h *controlHandle, data []byte) syscall.Errno {
+	o := c.r.o
+	if o.hints == nil {
+		return 0
+	}
+	if class, ok := h.dec.NextClass(data); !ok || class != hints.Decode {
+		return 0
+	}
+	limit := o.hints.Config().DecodeQueuePages
+	if h.dec.AtFrameStart() {
+		if h.b.DecodeBacklog() >= limit {
+			o.Stats.HintRefused.Add(1)
+			return syscall.EAGAIN
+		}
+		return 0
+	}
+	if err := h.b.WaitDecodeRoom(ctx, limit); err != nil {
+		// The kernel returns the requests taken before this one as a
+		// short write, which the clients treat as an error and never
+		// resend: the rest of the frame is not coming, so the next write
+		// starts a new one.
+		h.dec.Reset()
+		return syscall.EINTR
+	}
+	return 0
 }
 
 // Fsync waits as the read barrier does and returns 0, or EIO if pages

@@ -52,6 +52,9 @@ type Options struct {
 	AllowOther bool
 	// Debug logs every FUSE request (very verbose).
 	Debug bool
+	// ControlHandles bounds the open handles of the control file (ENFILE
+	// past it); 0 is DefaultControlHandles.
+	ControlHandles int
 
 	uid, gid uint32
 	hotLog   *zap.Logger
@@ -328,7 +331,9 @@ func (s *Server) Unmount() error {
 	if srv == nil {
 		return nil
 	}
-	return unmount(srv, mp, own, s.log)
+	// Name what may hold it: only control handles being open was logged
+	// as "a reader still maps a file".
+	return unmount(srv, mp, own, s.log.With(zap.Int64("control_handles_open", s.root.o.Stats.ControlHandles.Load())))
 }
 
 // unmount unmounts own, srv's mount on mountpoint, lazily when it is busy,
@@ -362,7 +367,7 @@ func unmount(srv *fuse.Server, mountpoint string, own ownMount, log *zap.Logger)
 	if derr := unix.Unmount(mountpoint, unix.MNT_DETACH); derr != nil {
 		return fmt.Errorf("unmount %s: busy, and lazy unmount failed: %w", mountpoint, derr)
 	}
-	log.Warn("mount busy (a reader still maps a file): detached it lazily", zap.String("mountpoint", mountpoint))
+	log.Warn("mount busy (a file of it is open or mapped, or a control handle): detached it lazily", zap.String("mountpoint", mountpoint))
 	return nil
 }
 

@@ -134,7 +134,7 @@ func TestSubmitPagesFetchesAndAdmitsAsDecode(t *testing.T) {
 	keys = append(keys, cache.PageKey{Table: tb.ID, Page: tb.Pages()}) // past the end: skipped
 	b := NewBarrier()
 	p.SubmitPages(keys, cache.SignalDecode, b)
-	if err := b.Wait(t.Context()); err != nil {
+	if err := b.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	unique := 34 // pages DataPage, +3, ..., +99
@@ -168,7 +168,7 @@ func TestRefaultedCountsEachHintOnce(t *testing.T) {
 	hint := func() {
 		b := NewBarrier()
 		p.Submit(hints.Prefill, 0, rows, b)
-		if err := b.Wait(t.Context()); err != nil {
+		if err := b.Wait(waitCtx(t)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -224,7 +224,7 @@ func TestDroppedCountedByLayer(t *testing.T) {
 	b := NewBarrier()
 	p.Submit(hints.Prefill, 1, rows, b)
 	close(br.release)
-	if err := b.Wait(t.Context()); err != nil {
+	if err := b.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	p.Close()
@@ -289,7 +289,7 @@ func TestCachedPagesAreNotFetched(t *testing.T) {
 	p, st, pusher := newTestPrefetcher(t, m, hot, DefaultConfig(4))
 	b := NewBarrier()
 	p.Submit(hints.Prefill, m.Layers[0], rows, b)
-	s, err := b.Status(t.Context())
+	s, err := b.Status(waitCtx(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -318,7 +318,7 @@ func TestCachedPagesAreNotFetched(t *testing.T) {
 	before, pushed := hot.lookups, pusher.pages.Load()
 	b2 := NewBarrier()
 	p.Submit(hints.Decode, m.Layers[0], rows, b2)
-	if err := b2.Wait(t.Context()); err != nil {
+	if err := b2.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	if hot.lookups != before || pusher.pages.Load()-pushed != uint64(len(rows)-1) {
@@ -331,7 +331,7 @@ func TestCachedPagesAreNotFetched(t *testing.T) {
 	}
 	b3 := NewBarrier()
 	p.Submit(hints.Prefill, m.Layers[0], rows, b3)
-	if err := b3.Wait(t.Context()); err != nil {
+	if err := b3.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	if hot.lookups != before {

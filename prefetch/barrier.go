@@ -28,6 +28,12 @@ type Barrier struct {
 
 	decodeQ runFIFO // this handle's decode work
 	inRing  bool    // decodeQ is in the core's round robin
+	// room, when not nil, is closed (and cleared) once decodeQ holds fewer
+	// than roomBelow pages, or the handle's work is dropped: a write
+	// waiting in WaitDecodeRoom goes on.
+	room      chan struct{}
+	roomBelow int
+	released  bool // Release dropped its queued work: nothing more waits
 }
 
 // NewBarrier returns a barrier with nothing pending.
@@ -101,6 +107,128 @@ func (b *Barrier) DecodeBacklog() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return b.decodeQ.pages
+}
+
+// WaitDecodeRoom blocks while this handle has limit or more pages of decode
+// work queued and not yet handed to the loader, until the workers take
+// enough of it, the prefetcher closes, or ctx ends (its error is returned
+// then). It is how a decode frame larger than the backlog's bound is taken
+// part by part: fs calls it before each write that continues such a frame,
+// so a handle holds at most the bound plus one write's pages.
+func (b *Barrier) WaitDecodeRoom(ctx context.Context, limit int) error {
+	p := b.p.Load()
+	if p == nil {
+		return nil
+	}
+	p.mu.Lock()
+	for b.decodeQ.pages >= limit && !p.closed && !b.released {
+		if b.room == nil {
+			b.room = make(chan struct{})
+		}
+		b.roomBelow = limit
+		room := b.room
+		p.mu.Unlock()
+		select {
+		case <-room:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		p.mu.Lock()
+	}
+	p.mu.Unlock()
+	return nil
+}
+
+// noteRoom wakes a write waiting for room in the decode backlog once there
+// is some (or the backlog was dropped).
+//
+// REQUIRES(p.mu)
+func (b *Barrier) noteRoom() {
+	if b.room != nil && (b.decodeQ.pages < b.roomBelow || b.released) {
+		close(b.room)
+		b.room = nil
+	}
+}
+
+// Release drops the work only b still waits for: its handle is closed (the
+// process that hinted may have been killed), so nobody will read these
+// pages for it. Pages queued for b alone are dropped, counted in
+// prefetch_pages_released (and dropped from the layer's hint accounting);
+// pages other handles wait for too stay queued for them; pages in flight
+// finish. Later submissions on b are not expected (fs stops using the
+// handle), and b's status is not kept.
+//
+// It walks b's decode queue and the prefill queue (up to --prefetch-queue
+// pages) from a copy, admitSlice pages per hold of p.mu: one walk under the
+// lock cost ~170 ms for a full default queue (BenchmarkReleaseFullPrefillQueue,
+// busy VM), in front of every fault and the fetch loop. A run is only "these
+// pages were queued at generation id", so a copy that outlives its pages
+// (claimed, settled, queued again) touches none of them (releasePage).
+func (p *Prefetcher) Release(b *Barrier) {
+	if b.p.Load() != p {
+		return
+	}
+	p.mu.Lock()
+	b.released = true
+	b.noteRoom()
+	runs := append(slices.Clone(b.decodeQ.runs[b.decodeQ.head:]), p.c.prefill.runs[p.c.prefill.head:]...)
+	p.mu.Unlock()
+	var released uint64
+	for i := 0; i < len(runs); {
+		p.mu.Lock()
+		for budget := uint64(admitSlice); budget > 0 && i < len(runs); {
+			r := &runs[i]
+			k := min(r.n, budget)
+			for pg := r.first; pg < r.first+k; pg++ {
+				if p.c.releasePage(b, *r, pg) {
+					released++
+				}
+			}
+			r.first, r.n, budget = r.first+k, r.n-k, budget-k
+			if r.n == 0 {
+				i++
+			}
+		}
+		p.mu.Unlock()
+	}
+	if released > 0 {
+		p.st.PrefetchPagesReleased.Add(released)
+	}
+}
+
+// releasePage takes b's link off page pg of run r if r still queues it,
+// and drops the page when nobody else waits for it (reporting true).
+//
+// REQUIRES(p.mu)
+func (c *core) releasePage(b *Barrier, r run, pg uint64) bool {
+	s := c.pages.get(r.table, pg)
+	if s == nil || s.gen > r.id || s.stage != stQueued || !s.dropLink(b) || s.first.b != nil {
+		return false // not r's page any more, not b's, or others wait for it
+	}
+	c.forget(r.table, pg, s)
+	if c.onDrop != nil {
+		c.onDrop(r.table, pg, 1)
+	}
+	return true
+}
+
+// dropLink takes b off the handles waiting for the page; false if b was
+// not one of them.
+func (s *pageState) dropLink(b *Barrier) bool {
+	if s.first.b == b {
+		s.first = link{}
+		if len(s.more) > 0 {
+			s.first, s.more = s.more[0], s.more[1:]
+		}
+		return true
+	}
+	for i, l := range s.more {
+		if l.b == b {
+			s.more = append(s.more[:i], s.more[i+1:]...)
+			return true
+		}
+	}
+	return false
 }
 
 // pending is the count of pages one submission still waits for.

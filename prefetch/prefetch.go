@@ -85,8 +85,9 @@ type Config struct {
 	// reported to the handles that asked for it). Prefill is best effort.
 	PrefillQueuePages int
 	// DecodeQueuePages bounds one handle's queued decode pages. Decode work
-	// is never dropped: past the bound the handle's writes are refused with
-	// EAGAIN until the workers catch up (fs checks DecodeBacklog).
+	// is never dropped: past the bound the handle's next decode frame is
+	// refused with EAGAIN and a decode frame already begun waits for room
+	// (fs checks DecodeBacklog and WaitDecodeRoom).
 	DecodeQueuePages int
 }
 

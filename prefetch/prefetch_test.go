@@ -51,7 +51,7 @@ func TestFaultCancelsAndConfirms(t *testing.T) {
 		t.Fatalf("late %d, want 1", late)
 	}
 	close(br.release)
-	s, err := b.Status(t.Context())
+	s, err := b.Status(waitCtx(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -211,7 +211,7 @@ func TestFaultOnAPrefetchInFlightIsLateOnce(t *testing.T) {
 		t.Fatalf("prefetch_late %d after two faults on a page in flight, want 1 (a page is late once)", late)
 	}
 	pusher.open() // the reply: the push lands
-	if err := b.Wait(t.Context()); err != nil {
+	if err := b.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	// The tier heard of the page as the faults that read it, not again as
@@ -266,7 +266,7 @@ func TestOwnPopulateFaultsAreNoDemand(t *testing.T) {
 		t.Fatalf("fault hits %v, want only page %d", hits, pg30)
 	}
 	close(br.release)
-	if err := b.Wait(t.Context()); err != nil {
+	if err := b.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	// The reader's page was heard of once, as its fault: the settle of the
@@ -309,7 +309,7 @@ func TestDecodeHintsAreDemandReads(t *testing.T) {
 	p.Submit(hints.Prefill, 0, []uint64{100}, pre)
 	p.Submit(hints.Decode, 0, []uint64{2000}, dec)
 	for _, b := range []*Barrier{pre, dec} {
-		if err := b.Wait(t.Context()); err != nil {
+		if err := b.Wait(waitCtx(t)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -484,7 +484,7 @@ func TestDecodePushedBeforePrefill(t *testing.T) {
 	})
 	close(pusher.gate)
 	for _, b := range []*Barrier{bp, bd} {
-		if _, err := b.Status(t.Context()); err != nil {
+		if _, err := b.Status(waitCtx(t)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -570,7 +570,7 @@ func TestFaultBeforeThePushLandsSharesTheRead(t *testing.T) {
 		t.Fatalf("prefetch_late %d, want 1", late)
 	}
 	pusher.open() // the store lands
-	if err := b.Wait(t.Context()); err != nil {
+	if err := b.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := loader.Load(tb.ID, first, 1, cache.OriginFault); err != nil {
@@ -653,7 +653,9 @@ func TestEveryFetchedPageIsReleased(t *testing.T) {
 		p.Submit(hints.Prefill, m.Layers[layer], rows, b)
 		p.Submit(hints.Decode, m.Layers[layer], []uint64{150, 3000}, b)
 	}
-	_ = b.Wait(t.Context()) // some pages fail: that is the point
+	if err := b.Wait(waitCtx(t)); err != nil && !errors.Is(err, ErrPagesFailed) { // some pages fail: that is the point
+		t.Fatal(err)
+	}
 	p.Close()
 	rc.mu.Lock()
 	defer rc.mu.Unlock()

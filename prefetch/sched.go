@@ -409,6 +409,7 @@ func (c *core) next(budget int) (decode, prefill []cache.Run) {
 		b := c.ring[c.rr]
 		r, _ := b.decodeQ.pop()
 		out, dbudget = c.claim(out, &b.decodeQ, r, dbudget, true)
+		b.noteRoom()
 		if b.decodeQ.len() == 0 {
 			b.inRing = false
 			c.ring = append(c.ring[:c.rr], c.ring[c.rr+1:]...)
@@ -576,6 +577,7 @@ func (c *core) drain() {
 	for _, b := range c.ring {
 		b.decodeQ.reset()
 		b.inRing = false
+		b.noteRoom()
 	}
 	c.ring = nil
 }

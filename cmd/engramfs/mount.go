@@ -34,6 +34,7 @@ type mountFlags struct {
 	readEngine   string
 	prefillQueue int
 	decodeQueue  int
+	ctlHandles   int
 	cacheSize    string
 	injectFaults string
 	metricsAddr  string
@@ -62,7 +63,9 @@ func (f *mountFlags) register(fl interface {
 	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultPrefillQueuePages,
 		"prefill pages queued at most; past it the oldest prefill hints are dropped (decode hints are never dropped)")
 	fl.IntVar(&f.decodeQueue, "decode-queue", prefetch.DefaultDecodeQueuePages,
-		"decode pages one control handle may have queued; past it its next frame is refused with EAGAIN (min 256)")
+		"decode pages one control handle may have queued; past it its next decode frame is refused with EAGAIN, and a decode frame already begun waits for room a write at a time (min 256)")
+	fl.IntVar(&f.ctlHandles, "control-handles", fs.DefaultControlHandles,
+		"control-file handles open at once at most; past it an open fails with ENFILE")
 	fl.BoolVar(&f.allowOther, "allow-other", false,
 		"let users other than the daemon's read the mount (the control file stays owner-only)")
 	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
@@ -272,7 +275,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	}
 	if d.srv, err = fs.New(fs.Options{
 		Model: model, Loader: loader, Stats: st, Log: log,
-		AllowOther: mf.allowOther, Debug: mf.debugFUSE,
+		AllowOther: mf.allowOther, Debug: mf.debugFUSE, ControlHandles: mf.ctlHandles,
 	}); err != nil {
 		return nil, err
 	}

@@ -63,6 +63,10 @@ type Counters struct {
 	HintRejected atomic.Uint64
 	HintRefused  atomic.Uint64
 
+	// Control-file handles (fs); ControlHandles is a level.
+	ControlHandles        atomic.Int64
+	ControlHandlesRefused atomic.Uint64
+
 	// Prefetch (prefetch).
 	PrefetchPagesQueued  atomic.Uint64
 	PrefetchPagesStored  atomic.Uint64
@@ -72,6 +76,8 @@ type Counters struct {
 	PrefetchLate         atomic.Uint64
 	PrefetchLateServed   atomic.Uint64
 	PrefetchPagesFailed  atomic.Uint64
+
+	PrefetchPagesReleased atomic.Uint64
 
 	// Warm restart (warm).
 	WarmPagesTotal atomic.Uint64
@@ -171,6 +177,9 @@ type Snapshot struct {
 	HintRejected uint64 `json:"hint_rejected"`
 	HintRefused  uint64 `json:"hint_refused"`
 
+	ControlHandles        int64  `json:"control_handles"`
+	ControlHandlesRefused uint64 `json:"control_handles_refused"`
+
 	PrefetchPagesQueued  uint64 `json:"prefetch_pages_queued"`
 	PrefetchPagesStored  uint64 `json:"prefetch_pages_stored"`
 	PrefetchPagesCached  uint64 `json:"prefetch_pages_cached"`
@@ -179,6 +188,8 @@ type Snapshot struct {
 	PrefetchLate         uint64 `json:"prefetch_late"`
 	PrefetchLateServed   uint64 `json:"prefetch_late_served"`
 	PrefetchPagesFailed  uint64 `json:"prefetch_pages_failed"`
+
+	PrefetchPagesReleased uint64 `json:"prefetch_pages_released"`
 
 	WarmPagesTotal uint64 `json:"warm_pages_total"`
 	WarmPagesDone  uint64 `json:"warm_pages_done"`
@@ -236,6 +247,9 @@ func (c *Counters) Snapshot() Snapshot {
 		HintRejected: c.HintRejected.Load(),
 		HintRefused:  c.HintRefused.Load(),
 
+		ControlHandles:        c.ControlHandles.Load(),
+		ControlHandlesRefused: c.ControlHandlesRefused.Load(),
+
 		PrefetchPagesQueued:  c.PrefetchPagesQueued.Load(),
 		PrefetchPagesStored:  c.PrefetchPagesStored.Load(),
 		PrefetchPagesCached:  c.PrefetchPagesCached.Load(),
@@ -244,6 +258,8 @@ func (c *Counters) Snapshot() Snapshot {
 		PrefetchLate:         c.PrefetchLate.Load(),
 		PrefetchLateServed:   c.PrefetchLateServed.Load(),
 		PrefetchPagesFailed:  c.PrefetchPagesFailed.Load(),
+
+		PrefetchPagesReleased: c.PrefetchPagesReleased.Load(),
 
 		WarmPagesTotal: c.WarmPagesTotal.Load(),
 		WarmPagesDone:  c.WarmPagesDone.Load(),
