@@ -232,6 +232,33 @@ func TestBarrierParsesTheStatusLine(t *testing.T) {
 	}
 }
 
+// The status line's reason reaches the caller: a rejected frame's as
+// ErrRejected, failed pages' with ErrFailed.
+func TestBarrierSaysWhy(t *testing.T) {
+	for _, c := range []struct {
+		line, want string
+		is         error
+	}{
+		{`{"frames":0,"pages":0,"resident":0,"pinned":0,"dropped":0,"failed":0,"error":"hint frame: row 99999 out of range (layer 0 has 16384 rows)"}`,
+			"hint barrier: rejected by the mount: hint frame: row 99999 out of range (layer 0 has 16384 rows)", ErrRejected},
+		{`{"frames":1,"pages":2,"resident":0,"pinned":0,"dropped":0,"failed":2,"error":"pages failed: table t: read: input/output error"}`,
+			"hint barrier: 2 of 2 pages (pages failed: table t: read: input/output error): hinted pages failed", ErrFailed},
+	} {
+		mount, control := fakeMount(t)
+		if err := os.WriteFile(control, []byte(c.line+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		h, err := Open(mount)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := h.Barrier(); !errors.Is(err, c.is) || err.Error() != c.want {
+			t.Errorf("Barrier: %v, want %q", err, c.want)
+		}
+		h.Close()
+	}
+}
+
 // The Python client installs with pip from the repository into a fresh venv
 // (Debian's python3-venv and python3-setuptools, no package index: CI runs
 // the same) and imports from there, not from the source tree.
