@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"unicode/utf8"
 
@@ -59,24 +60,17 @@ type controlHandle struct {
 	layer int
 	// rejected is why the last frame rejected since the previous barrier
 	// was: the write's EINVAL carries no text, so the barrier's status line
-	// does (hints.Status.Error). GUARDED_BY(mu)
-	rejected string
+	// does (hints.Status.Error). Atomic, not under mu: a barrier must not
+	// wait for a write in progress on the handle.
+	rejected atomic.Pointer[string]
 }
 
 // takeRejected returns the reason of the last rejected frame and forgets it.
 func (h *controlHandle) takeRejected() string {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	r := h.rejected
-	h.rejected = ""
-	return r
-}
-
-// hasRejected reports whether a frame was rejected since the previous barrier.
-func (h *controlHandle) hasRejected() bool {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return h.rejected != ""
+	if r := h.rejected.Swap(nil); r != nil {
+		return *r
+	}
+	return ""
 }
 
 var (
@@ -125,7 +119,7 @@ func (c *controlFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte,
 	if !ok {
 		return nil, syscall.EBADF
 	}
-	if h.b.Idle() && !h.hasRejected() {
+	if h.b.Idle() && h.rejected.Load() == nil {
 		return fuse.ReadResultData(nil), 0
 	}
 	if len(dest) < statusLineMax {
@@ -237,7 +231,8 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 		}
 	}
 	if err != nil {
-		h.rejected = err.Error()
+		reason := err.Error()
+		h.rejected.Store(&reason)
 	}
 	h.mu.Unlock()
 	if err != nil {
