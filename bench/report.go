@@ -590,18 +590,21 @@ func (r *Report) Headline() string {
 		if mmap == nil || mmap.Decode == nil || hints == nil || hints.Decode == nil {
 			continue
 		}
-		line := fmt.Sprintf("%s: %s decode step p50 %s against mmap's %s (%s)", g.Geometry, hints.Label,
+		line := fmt.Sprintf("%s: %s decode step p50 %s against mmap's %s (%s)", g.Geometry.Name, pathName(hints),
 			fmtDur(hints.Decode.Times.P50), fmtDur(mmap.Decode.Times.P50), timesFaster(hints.Ratios.DecodeVsMmap))
 		if hints.Prefill != nil && hints.Ratios.PrefillVsMmap > 0 {
 			line += fmt.Sprintf(", prefill gather %s", timesFaster(hints.Ratios.PrefillVsMmap))
 		}
 		if eng != nil && eng.Ratios.DecodeVsMmap > 0 {
-			line += fmt.Sprintf("; %s without hints: decode %s", eng.Label, timesFaster(eng.Ratios.DecodeVsMmap))
+			line += fmt.Sprintf("; %s without hints: decode %s", pathName(eng), timesFaster(eng.Ratios.DecodeVsMmap))
 		}
 		lines = append(lines, line)
 	}
 	return strings.Join(lines, "\n")
 }
+
+// pathName is a path's label without the table's number ("5 engramfs+hints").
+func pathName(p *PathResult) string { return strings.TrimLeft(p.Label, "0123456789' ") }
 
 // timesFaster says a time ratio (below 1 is faster) as people say it.
 func timesFaster(ratio float64) string {

@@ -289,7 +289,7 @@ func TestStatsDelta(t *testing.T) {
 func TestHeadline(t *testing.T) {
 	r := fakeReport()
 	got := r.Headline()
-	for _, want := range []string{"engramfs+hints decode step p50 2.50ms against mmap's", "4.0× faster", "prefill gather 8.3× faster", "without hints: decode"} {
+	for _, want := range []string{"big: engramfs+hints decode step p50 2.50ms against mmap's", "4.0× faster", "prefill gather 8.3× faster", "without hints: decode"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("headline %q lacks %q", got, want)
 		}
