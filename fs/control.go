@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"syscall"
+	"unicode/utf8"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -69,6 +71,19 @@ type controlHandle struct {
 	// barrier-wait histogram's label: one layer, stats.BarrierSeveralLayers
 	// or stats.BarrierNoLayer. GUARDED_BY(mu)
 	layer int
+	// rejected is why the last frame rejected since the previous barrier
+	// was: the write's EINVAL carries no text, so the barrier's status line
+	// does (hints.Status.Error). Atomic, not under mu: a barrier must not
+	// wait for a write in progress on the handle.
+	rejected atomic.Pointer[string]
+}
+
+// takeRejected returns the reason of the last rejected frame and forgets it.
+func (h *controlHandle) takeRejected() string {
+	if r := h.rejected.Swap(nil); r != nil {
+		return *r
+	}
+	return ""
 }
 
 var (
@@ -142,15 +157,16 @@ func (c *controlFile) Setattr(ctx context.Context, fh gofs.FileHandle, in *fuse.
 
 // Read is the barrier: it blocks until every frame accepted on this handle
 // before the read has settled, then returns one line of JSON with the counts
-// since the previous barrier (prefetch.Status). With nothing accepted since
-// the previous barrier it returns 0 bytes at once (so `cat` ends). A signal
+// since the previous barrier (prefetch.Status) and, in "error", why a frame
+// was rejected or pages failed. With nothing accepted or rejected since the
+// previous barrier it returns 0 bytes at once (so `cat` ends). A signal
 // interrupts the wait (EINTR); the counts are kept for the next barrier.
 func (c *controlFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	h, ok := fh.(*controlHandle)
 	if !ok {
 		return nil, syscall.EBADF
 	}
-	if h.b.Idle() {
+	if h.b.Idle() && h.rejected.Load() == nil {
 		return fuse.ReadResultData(nil), 0
 	}
 	if len(dest) < statusLineMax {
@@ -160,20 +176,59 @@ func (c *controlFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte,
 	if errno != 0 {
 		return nil, errno
 	}
-	line, err := json.Marshal(st)
+	line, err := statusLine(st, len(dest))
 	if err != nil {
 		return nil, syscall.EIO
 	}
-	return fuse.ReadResultData(append(line, '\n')), 0
+	return fuse.ReadResultData(line), 0
 }
 
-// barrier waits for h's frames.
+// barrier waits for h's frames, and adds the reason of the last frame
+// rejected since the previous barrier to the status.
 func (c *controlFile) barrier(ctx context.Context, h *controlHandle) (prefetch.Status, syscall.Errno) {
 	st, err := c.wait(ctx, h)
 	if err != nil {
 		return st, syscall.EINTR
 	}
+	if r := h.takeRejected(); r != "" {
+		if st.Error != "" {
+			r += "; " + st.Error
+		}
+		st.Error = r
+	}
 	return st, 0
+}
+
+// statusLine is st as one line of JSON of at most max bytes (max >=
+// statusLineMax): a reason too long for the reader's buffer is cut short,
+// ending in "...", never the counts.
+func statusLine(st prefetch.Status, max int) ([]byte, error) {
+	line, err := json.Marshal(st)
+	if err != nil || len(line) < max || st.Error == "" {
+		return append(line, '\n'), err
+	}
+	// Keep the runes whose JSON (escapes included) fits the room left.
+	reason := st.Error
+	st.Error = "..."
+	bare, err := json.Marshal(st)
+	if err != nil {
+		return nil, err
+	}
+	room := max - 1 - len(bare)
+	keep := 0
+	for keep < len(reason) && room > 0 {
+		_, n := utf8.DecodeRuneInString(reason[keep:])
+		esc, _ := json.Marshal(reason[keep : keep+n])
+		if room -= len(esc) - 2; room >= 0 {
+			keep += n
+		}
+	}
+	st.Error = reason[:keep] + "..."
+	if line, err = json.Marshal(st); err != nil || len(line) >= max {
+		st.Error = "" // not even "..." fits: the counts go alone
+		line, err = json.Marshal(st)
+	}
+	return append(line, '\n'), err
 }
 
 // waitBarrier is the untimed barrier wait.
@@ -185,7 +240,8 @@ func waitBarrier(ctx context.Context, h *controlHandle) (prefetch.Status, error)
 // waits for a fetch or for queue room. The rows of a frame are queued as
 // their writes arrive, so no frame is ever held whole. A bad frame fails the
 // write that delivers its first bad field with EINVAL (frames and rows
-// before it are still accepted) and resets the stream. While the handle has
+// before it are still accepted) and resets the stream; the next barrier's
+// status line says why (the errno cannot). While the handle has
 // more decode work queued than prefetch.Config.DecodeQueuePages, a write
 // that starts a decode frame is refused with EAGAIN before a byte of it is
 // decoded, so the client sends the same frame again; a frame already begun
@@ -219,6 +275,10 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 		if o.hints != nil {
 			o.hints.SubmitPart(h.b, f.Class, f.Layer, f.Rows, !f.More)
 		}
+	}
+	if err != nil {
+		reason := err.Error()
+		h.rejected.Store(&reason)
 	}
 	h.mu.Unlock()
 	if err != nil {

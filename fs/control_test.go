@@ -5,12 +5,15 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 
@@ -356,17 +359,12 @@ func rowPages(t *testing.T, tr *tree, layer int, rows []uint64) map[[2]uint64]bo
 	return out
 }
 
-// readBarrier reads the barrier of handle fh and parses its line.
+// readBarrier reads the barrier of handle fh and parses its line, which
+// must hold the counts alone.
 func readBarrier(t *testing.T, tr *tree, node, fh uint64) map[string]uint64 {
 	t.Helper()
-	b := tr.mustRead(node, fh, 0, 4096)
-	if len(b) == 0 || b[len(b)-1] != '\n' || bytes.Count(b, []byte("\n")) != 1 {
-		t.Fatalf("barrier: %q, want one line of JSON", b)
-	}
 	var st map[string]uint64
-	if err := json.Unmarshal(b, &st); err != nil {
-		t.Fatalf("barrier line %q: %v", b, err)
-	}
+	readBarrierInto(t, tr, node, fh, &st)
 	keys := slices.Sorted(func(yield func(string) bool) {
 		for k := range st {
 			if !yield(k) {
@@ -730,5 +728,100 @@ func TestControlReleaseDropsQueuedWork(t *testing.T) {
 	}
 	if r := uint64(reads.Load()); r+released > queued {
 		t.Fatalf("%d pages read and %d released of %d queued: released pages were fetched", r, released, queued)
+	}
+}
+
+// readStatus reads one barrier's line into a hints.Status.
+func readStatus(t *testing.T, tr *tree, node, fh uint64) hints.Status {
+	t.Helper()
+	var st hints.Status
+	readBarrierInto(t, tr, node, fh, &st)
+	return st
+}
+
+// readBarrierInto reads the barrier of handle fh: one line of JSON, decoded
+// into v.
+func readBarrierInto(t *testing.T, tr *tree, node, fh uint64, v any) {
+	t.Helper()
+	b := tr.mustRead(node, fh, 0, 4096)
+	if len(b) == 0 || b[len(b)-1] != '\n' || bytes.Count(b, []byte("\n")) != 1 {
+		t.Fatalf("barrier: %q, want one line of JSON", b)
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		t.Fatalf("barrier line %q: %v", b, err)
+	}
+}
+
+// A write's EINVAL carries no text: the next barrier's status line says why
+// the frame was rejected, and why pages failed; both when both happened.
+func TestControlBarrierSaysWhy(t *testing.T) {
+	pl := &pushLog{}
+	tr := prefetchTree(t, pl)
+	node := tr.node(controlPath)
+	fh := tr.open(node, syscall.O_RDWR).Fh
+	rows := tr.spec.Rows
+	rejected := fmt.Sprintf("row %d out of range (layer 0 has %d rows)", rows+7, rows)
+
+	if _, s := tr.write(node, fh, 0, hints.AppendBinary(nil, hints.Decode, 0, []uint64{rows + 7})); s != fuse.EINVAL {
+		t.Fatalf("write of a row out of range: %v, want EINVAL", s)
+	}
+	st := readStatus(t, tr, node, fh)
+	if !strings.HasSuffix(st.Error, rejected) || st.Frames != 0 || st.Failed != 0 {
+		t.Fatalf("barrier after a rejected frame: %+v; want its reason %q", st, rejected)
+	}
+	if b, s := tr.read(node, fh, 0, 4096); s != fuse.OK || len(b) != 0 {
+		t.Fatalf("the barrier after: %q, %v; want 0 bytes (the reason is said once)", b, s)
+	}
+
+	// A good frame, then a bad one: the counts and the reason.
+	if _, s := tr.write(node, fh, 0, []byte("decode 0 1\ndecode 9 1\n")); s != fuse.EINVAL {
+		t.Fatalf("write with a bad second frame: %v, want EINVAL", s)
+	}
+	st = readStatus(t, tr, node, fh)
+	if st.Frames != 1 || st.Resident == 0 || !strings.Contains(st.Error, "layer 9: unknown layer") {
+		t.Fatalf("barrier: %+v; want one frame resident and the unknown layer", st)
+	}
+
+	// Failed stores say why, after the reason of the rejected frame.
+	pl.mu.Lock()
+	pl.fail = errors.New("injected store failure")
+	pl.mu.Unlock()
+	if _, s := tr.write(node, fh, 0, hints.AppendBinary(nil, hints.Decode, 1, []uint64{2, 3})); s != fuse.OK {
+		t.Fatal(s)
+	}
+	if _, s := tr.write(node, fh, 0, []byte("decode 1 x\n")); s != fuse.EINVAL {
+		t.Fatalf("write of a bad row: %v, want EINVAL", s)
+	}
+	st = readStatus(t, tr, node, fh)
+	first, pages, ok := strings.Cut(st.Error, "; ")
+	if st.Failed == 0 || !ok || !strings.Contains(first, `text: bad row "x"`) ||
+		!strings.HasPrefix(pages, "pages failed: table ") || !strings.HasSuffix(pages, "injected store failure") {
+		t.Fatalf("barrier: %+v; want the rejected frame's reason, then the failed pages'", st)
+	}
+}
+
+// A reason too long for the reader's buffer is cut short; the counts and
+// the JSON stay whole.
+func TestStatusLineFitsTheRead(t *testing.T) {
+	st := prefetch.Status{Frames: math.MaxUint64, Pages: math.MaxUint64, Resident: 1, Failed: math.MaxUint64}
+	for _, reason := range []string{strings.Repeat("é", 300), strings.Repeat(`"\`, 300), strings.Repeat("\x01", 300), "short"} {
+		st.Error = reason
+		for _, max := range []int{statusLineMax, 300, 4096} {
+			line, err := statusLine(st, max)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var back prefetch.Status
+			if err := json.Unmarshal(line, &back); err != nil || len(line) > max || line[len(line)-1] != '\n' {
+				t.Fatalf("line %q (%d bytes) for a read of %d: %v", line, len(line), max, err)
+			}
+			if back.Frames != st.Frames || back.Failed != st.Failed || back.Resident != 1 ||
+				!utf8.ValidString(back.Error) || back.Error == "" {
+				t.Fatalf("line %q: counts or reason lost", line)
+			}
+			if len(reason) < 10 && back.Error != reason || len(reason) > 10 && max < 1000 && !strings.HasSuffix(back.Error, "...") {
+				t.Fatalf("reason %q became %q in a read of %d", reason[:10], back.Error, max)
+			}
+		}
 	}
 }

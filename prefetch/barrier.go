@@ -42,6 +42,9 @@ func NewBarrier() *Barrier { return &Barrier{} }
 // ErrPagesFailed is what Wait returns when pages failed since the last Wait.
 var ErrPagesFailed = errors.New("hinted pages failed")
 
+// ErrStopped is why pages still queued fail when the prefetcher closes.
+var ErrStopped = errors.New("the prefetcher stopped (the mount is going down)")
+
 // Wait blocks until every submission accepted before it has settled and
 // returns ErrPagesFailed (wrapped) if pages failed since the previous Wait.
 // Dropped prefill pages are not failures: prefill is best effort.
@@ -51,7 +54,7 @@ func (b *Barrier) Wait(ctx context.Context) error {
 		return err
 	}
 	if st.Failed > 0 {
-		return fmt.Errorf("%d of %d pages: %w", st.Failed, st.Pages, ErrPagesFailed)
+		return fmt.Errorf("%d of %d pages (%s): %w", st.Failed, st.Pages, st.Error, ErrPagesFailed)
 	}
 	return nil
 }
@@ -250,21 +253,37 @@ func (b *Barrier) wait(seq uint64) {
 	b.open = append(b.open, pending{seq: seq, pages: 1})
 }
 
-// settle counts one page of submission seq as settled with o.
+// settle counts one page of submission seq as settled with o; why is the
+// reason of a failure.
 //
 // REQUIRES(p.mu)
-func (b *Barrier) settle(seq uint64, o Outcome) {
+func (b *Barrier) settle(seq uint64, o Outcome, why error) {
 	switch o {
 	case Resident:
 		b.status.Resident++
 	case Failed:
-		b.status.Failed++
+		b.fail(1, why)
 	case Dropped:
 		b.status.Dropped++
 	}
 	i, _ := slices.BinarySearchFunc(b.open, seq, func(e pending, seq uint64) int { return compareU64(e.seq, seq) })
 	b.open[i].pages--
 	b.advance()
+}
+
+// fail counts n pages failed for why. The status names the first reason
+// since the previous barrier: the pages of one bad read or store fail
+// together with one cause, and a status line has room for one.
+//
+// REQUIRES(p.mu)
+func (b *Barrier) fail(n uint64, why error) {
+	b.status.Failed += n
+	if b.status.Error == "" {
+		if why == nil {
+			why = errors.New("reason unknown")
+		}
+		b.status.Error = "pages failed: " + why.Error()
+	}
 }
 
 // advance drops the settled submissions at the head and wakes the waiters

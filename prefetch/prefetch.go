@@ -439,7 +439,7 @@ func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode 
 		if p.closed {
 			for _, r := range slice {
 				b.status.Pages += r.n
-				b.status.Failed += r.n
+				b.fail(r.n, ErrStopped)
 			}
 		} else {
 			p.c.admit(b, seq, slice, decode, admitDecode)

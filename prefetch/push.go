@@ -1,6 +1,7 @@
 package prefetch
 
 import (
+	"fmt"
 	"slices"
 
 	"go.uber.org/zap"
@@ -28,10 +29,12 @@ type outcome struct {
 // maxStorePages caps one merged store (1 MiB, as a backing read).
 const maxStorePages = cache.MaxRunPages
 
-// settled is a run's outcome, ready for the core.
+// settled is a run's outcome, ready for the core; why is the reason of a
+// failure, for the barriers' status.
 type settled struct {
 	run cache.Run
 	o   Outcome
+	why error
 }
 
 func (p *Prefetcher) signalPushers() {
@@ -131,12 +134,12 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 		o := batch[i]
 		switch {
 		case o.confirm:
-			done = append(done, settled{o.run, p.confirm(o.run)})
+			done = append(done, p.confirm(o.run))
 			i++
 			continue
 		case o.err != nil:
 			p.st.PrefetchPagesFailed.Add(o.run.N)
-			done = append(done, settled{o.run, Failed})
+			done = append(done, settled{o.run, Failed, o.err})
 			i++
 			continue
 		}
@@ -158,7 +161,7 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 			data = buf
 		}
 		r := cache.Run{Table: o.run.Table, First: o.run.First, N: n}
-		done = append(done, settled{r, p.store(r, data)})
+		done = append(done, p.store(r, data))
 		i = j
 	}
 	p.settle(done, sc)
@@ -170,31 +173,31 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 }
 
 // store pushes run r's data into the page cache.
-func (p *Prefetcher) store(r cache.Run, data []byte) Outcome {
+func (p *Prefetcher) store(r cache.Run, data []byte) settled {
 	off := int64(r.First) * cache.PageSize
 	err := p.pusher.Store(r.Table, off, data)
 	if err == nil {
 		p.st.PrefetchPagesStored.Add(r.N)
 		p.layerOf[r.Table].Pushed.Add(r.N)
-		return Resident
+		return settled{r, Resident, nil}
 	}
 	p.st.PrefetchStoreErrors.Add(r.N)
 	p.st.PrefetchPagesFailed.Add(r.N)
 	p.log.Warn("page cache store failed", zap.Uint32("table", r.Table), zap.Int64("offset", off), zap.Error(err))
-	return Failed
+	return settled{r, Failed, fmt.Errorf("table %s: page cache store of pages [%d, +%d): %w", p.model.Tables[r.Table].Name, r.First, r.N, err)}
 }
 
 // confirm makes sure a page a fault read is in the page cache.
-func (p *Prefetcher) confirm(r cache.Run) Outcome {
+func (p *Prefetcher) confirm(r cache.Run) settled {
 	if p.confirmer == nil {
-		return Resident
+		return settled{r, Resident, nil}
 	}
 	if err := p.confirmer.Confirm(r.Table, int64(r.First)*cache.PageSize); err != nil {
 		p.st.PrefetchPagesFailed.Add(r.N)
 		p.log.Warn("confirming a faulted page failed", zap.Uint32("table", r.Table), zap.Uint64("page", r.First), zap.Error(err))
-		return Failed
+		return settled{r, Failed, fmt.Errorf("table %s: confirming faulted page %d: %w", p.model.Tables[r.Table].Name, r.First, err)}
 	}
-	return Resident
+	return settled{r, Resident, nil}
 }
 
 // settle offers the resident pages to the hot tier, then settles them all:
@@ -236,7 +239,7 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 	}
 	p.mu.Lock()
 	for _, d := range done {
-		p.c.settle(d.run.Table, d.run.First, d.run.N, d.o)
+		p.c.settleWhy(d.run.Table, d.run.First, d.run.N, d.o, d.why)
 	}
 	p.mu.Unlock()
 	sc.decode, sc.prefill = reuse(decodeKeys), reuse(prefillKeys)

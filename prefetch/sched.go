@@ -388,7 +388,7 @@ func (c *core) dropOldest() {
 		if c.onDrop != nil {
 			c.onDrop(r.table, pg, 1)
 		}
-		s.settle(Dropped)
+		s.settle(Dropped, nil)
 	}
 }
 
@@ -498,14 +498,18 @@ func (c *core) admissions(table uint32, first, n uint64, fn func(k cache.PageKey
 
 // settle ends pages [first, first+n) of table that are in flight or awaiting
 // confirmation: every handle waiting for them hears outcome.
-func (c *core) settle(table uint32, first, n uint64, o Outcome) {
+func (c *core) settle(table uint32, first, n uint64, o Outcome) { c.settleWhy(table, first, n, o, nil) }
+
+// settleWhy is settle with why the pages failed (o Failed), which every
+// handle waiting for them hears in its barrier's status.
+func (c *core) settleWhy(table uint32, first, n uint64, o Outcome, why error) {
 	for pg := first; pg < first+n; pg++ {
 		s := c.pages.get(table, pg)
 		if s == nil || s.stage == stQueued {
 			continue // not claimed: not ours to settle
 		}
 		c.forget(table, pg, s)
-		s.settle(o)
+		s.settle(o, why)
 	}
 }
 
@@ -570,7 +574,7 @@ func (c *core) drain() {
 	c.pages.each(func(k cache.PageKey, s *pageState) {
 		if s.stage == stQueued {
 			c.forget(k.Table, k.Page, s)
-			s.settle(Failed)
+			s.settle(Failed, ErrStopped)
 		}
 	})
 	c.prefill.reset()
@@ -582,9 +586,9 @@ func (c *core) drain() {
 	c.ring = nil
 }
 
-func (s *pageState) settle(o Outcome) {
-	s.first.b.settle(s.first.seq, o)
+func (s *pageState) settle(o Outcome, why error) {
+	s.first.b.settle(s.first.seq, o, why)
 	for _, l := range s.more {
-		l.b.settle(l.seq, o)
+		l.b.settle(l.seq, o, why)
 	}
 }
