@@ -41,6 +41,7 @@ func newRawFS(t testing.TB, o Options, hints HintSink, faults FaultSink) (fuse.R
 // tree is a synthetic model served through the raw bridge.
 type tree struct {
 	t      *testing.T
+	dir    string // the model directory
 	spec   backing.SynthSpec
 	model  *backing.Model
 	st     *stats.Counters
@@ -57,6 +58,10 @@ type treeConfig struct {
 	reader func() backing.Reader // nil: the real store over the shards
 	hints  HintSink
 	faults FaultSink
+	// prepare changes the model directory before the model is loaded.
+	prepare func(dir string)
+	// noPassthrough: Options.NoPassthrough.
+	noPassthrough bool
 }
 
 // newTree synthesizes a two-layer model in a temporary directory and serves
@@ -74,6 +79,9 @@ func newTree(t *testing.T, c treeConfig) *tree {
 	dir := t.TempDir()
 	if err := backing.Synthesize(dir, spec); err != nil {
 		t.Fatal(err)
+	}
+	if c.prepare != nil {
+		c.prepare(dir)
 	}
 	m, err := backing.Load(dir, backing.DefaultTablePattern)
 	if err != nil {
@@ -98,8 +106,8 @@ func newTree(t *testing.T, c treeConfig) *tree {
 		rd = store
 	}
 	loader := cache.NewLoader(rd, m.Tables, st)
-	raw, r := newRawFS(t, Options{Model: m, Loader: loader, Stats: st}, c.hints, c.faults)
-	return &tree{t: t, spec: spec, model: m, st: st, loader: loader, raw: raw, root: r,
+	raw, r := newRawFS(t, Options{Model: m, Loader: loader, Stats: st, NoPassthrough: c.noPassthrough}, c.hints, c.faults)
+	return &tree{t: t, dir: dir, spec: spec, model: m, st: st, loader: loader, raw: raw, root: r,
 		caller: fuse.Caller{Owner: fuse.Owner{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid())}, Pid: uint32(os.Getpid())}}
 }
 

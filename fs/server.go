@@ -51,6 +51,9 @@ type Options struct {
 	AllowOther bool
 	// Debug logs every FUSE request (very verbose).
 	Debug bool
+	// NoPassthrough serves the model directory's other files through the
+	// daemon even where FUSE passthrough works (modelfiles.go).
+	NoPassthrough bool
 
 	uid, gid uint32
 	hotLog   *zap.Logger

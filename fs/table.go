@@ -11,6 +11,7 @@ import (
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/internal/stats"
+	"github.com/engramfs/engramfs/prefetch"
 )
 
 // FaultSink hears of the data pages that FUSE reads brought in
@@ -39,11 +40,45 @@ var (
 
 // Open keeps the page cache across opens (KEEP_CACHE) and skips FLUSH on
 // close (NOFLUSH). Never DIRECT_IO: a shared mmap of a direct-io file fails.
+// A reader's handle follows its reads for sequential readahead; the
+// daemon's own opens (live files, the pinner) get none.
 func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&writeFlags != 0 {
 		return nil, 0, syscall.EROFS
 	}
-	return nil, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
+	var h gofs.FileHandle
+	if !ownOpen(ctx) {
+		h = &tableHandle{}
+	}
+	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
+}
+
+// tableHandle is a reader's open table file.
+type tableHandle struct{ seq seqRun }
+
+// ReadAheadSink queues pages to read and push into the page cache ahead of
+// a sequential reader: prefetch.Prefetcher's prefill work (best effort,
+// behind every decode hint). The FaultSink implements it when it can.
+type ReadAheadSink interface {
+	SubmitPages(keys []cache.PageKey, sig cache.Signal, b *prefetch.Barrier)
+}
+
+// readAhead queues the data pages of [from, to) as prefill work.
+func (f *tableFile) readAhead(from, to int64) {
+	ra, ok := f.faults.(ReadAheadSink)
+	if !ok {
+		return
+	}
+	first := max(uint64(from)/cache.PageSize, f.t.DataPage())
+	end := (uint64(to) + cache.PageSize - 1) / cache.PageSize
+	if first >= end {
+		return
+	}
+	keys := make([]cache.PageKey, 0, end-first)
+	for p := first; p < end; p++ {
+		keys = append(keys, cache.PageKey{Table: f.t.ID, Page: p})
+	}
+	ra.SubmitPages(keys, cache.SignalPrefill, prefetch.NewBarrier())
 }
 
 // Read serves a page fault or read(2) on a table file. With MaxReadAhead 1
@@ -58,6 +93,13 @@ func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, o
 	end := min(off+int64(len(dest)), t.FileSize)
 	f.st.FuseReads.Add(1)
 	f.st.FuseReadBytes.Add(uint64(end - off))
+	if h, ok := fh.(*tableHandle); ok {
+		if from, to := h.seq.observe(off, end, t.FileSize); from < to {
+			// Queued before this read is served: the prefetcher's fetch
+			// of the window runs beside it.
+			f.readAhead(from, to)
+		}
+	}
 
 	hdrLen := int64(len(t.FileHeader))
 	if end <= hdrLen {
