@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
+	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
@@ -62,6 +63,7 @@ type treeConfig struct {
 	prepare func(dir string)
 	// noPassthrough: Options.NoPassthrough.
 	noPassthrough bool
+	log           *zap.Logger // nil: none
 }
 
 // newTree synthesizes a two-layer model in a temporary directory and serves
@@ -106,7 +108,7 @@ func newTree(t *testing.T, c treeConfig) *tree {
 		rd = store
 	}
 	loader := cache.NewLoader(rd, m.Tables, st)
-	raw, r := newRawFS(t, Options{Model: m, Loader: loader, Stats: st, NoPassthrough: c.noPassthrough}, c.hints, c.faults)
+	raw, r := newRawFS(t, Options{Model: m, Loader: loader, Stats: st, NoPassthrough: c.noPassthrough, Log: c.log}, c.hints, c.faults)
 	return &tree{t: t, dir: dir, spec: spec, model: m, st: st, loader: loader, raw: raw, root: r,
 		caller: fuse.Caller{Owner: fuse.Owner{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid())}, Pid: uint32(os.Getpid())}}
 }

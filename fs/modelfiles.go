@@ -5,8 +5,6 @@ import (
 	"errors"
 	"io"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"syscall"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
@@ -14,7 +12,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/backing"
-	"github.com/engramfs/engramfs/cache"
 )
 
 // The mount is the model directory: every file of MODEL_DIR (config,
@@ -117,19 +114,18 @@ func (f *modelFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 		}
 		return nil, 0, syscall.EIO
 	}
-	return &modelHandle{node: f, file: of, own: ownOpen(ctx)}, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
+	h := &modelHandle{node: f, file: of}
+	if !ownOpen(ctx) {
+		h.ra = &readAhead{size: f.f.Identity.Size, fill: h.fill, store: f.EmbeddedInode().WriteCache}
+	}
+	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
 }
 
 // modelHandle is one open of a model file.
 type modelHandle struct {
 	node *modelFile
 	file backing.OpenModelFile
-	own  bool
-	seq  seqRun
-	// pushing: a readahead goroutine of this handle runs. One at a time,
-	// so a reader never has more than a window read for it.
-	pushing atomic.Bool
-	wg      sync.WaitGroup
+	ra   *readAhead // nil for the daemon's own opens
 }
 
 var (
@@ -147,60 +143,41 @@ func (h *modelHandle) PassthroughFd() (int, bool) {
 	return fd, fd >= 0 && !h.node.r.o.NoPassthrough
 }
 
-var servedByDaemon sync.Once
-
 // Read serves a read when passthrough is off.
 func (h *modelHandle) Read(ctx context.Context, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
-	servedByDaemon.Do(func() {
+	h.node.r.servedByDaemon.Do(func() {
 		h.node.r.o.Log.Info("model files are read by the daemon (no FUSE passthrough): sequential readers get daemon-side readahead")
 	})
-	size := int64(h.node.f.Identity.Size)
+	size := h.node.f.Identity.Size
 	if off < 0 || off >= size || len(dest) == 0 {
 		return fuse.ReadResultData(nil), 0
 	}
 	end := min(off+int64(len(dest)), size)
-	n, err := h.file.ReadAt(dest[:end-off], off)
-	if err != nil && !(errors.Is(err, io.EOF) && int64(n) == end-off) {
+	n, err := h.fill(dest[:end-off], off)
+	if err != nil {
 		h.node.r.o.hotLog.Error("read failed", zap.String("path", h.node.f.Name), zap.Int64("offset", off), zap.Error(err))
 		return nil, syscall.EIO
 	}
-	if !h.own {
-		if from, to := h.seq.observe(off, end, size); from < to && h.pushing.CompareAndSwap(false, true) {
-			h.wg.Add(1)
-			go h.push(from, to)
-		}
+	if h.ra != nil {
+		h.ra.observe(off, end)
 	}
 	return fuse.ReadResultData(dest[:n]), 0
 }
 
-// pushChunk is the size of one backing read and page cache store of the
-// readahead: large reads are what the backing reads fastest.
-const pushChunk = 1 << 20
-
-// pageMask aligns a store to the page it starts in.
-const pageMask = cache.PageSize - 1
-
-// push reads [from, to) and stores it into the page cache (NOTIFY_STORE).
-// Never from Read itself: a store waits on the folio a read holds locked.
-func (h *modelHandle) push(from, to int64) {
-	defer h.wg.Done()
-	defer h.pushing.Store(false)
-	from &^= pageMask
-	buf := make([]byte, pushChunk)
-	for off := from; off < to; off += pushChunk {
-		n, err := h.file.ReadAt(buf[:min(pushChunk, to-off)], off)
-		if n == 0 || (err != nil && !errors.Is(err, io.EOF)) {
-			return
-		}
-		if errno := h.node.EmbeddedInode().WriteCache(off, buf[:n]); errno != 0 {
-			return // unmounted, or the kernel forgot the inode: the reader reads on its own
-		}
+// fill reads b at off: all of it, or up to the end of the file.
+func (h *modelHandle) fill(b []byte, off int64) (int, error) {
+	n, err := h.file.ReadAt(b, off)
+	if errors.Is(err, io.EOF) && off+int64(n) == h.node.f.Identity.Size {
+		err = nil
 	}
+	return n, err
 }
 
 // Release waits for the handle's readahead, then closes the backing file.
 func (h *modelHandle) Release(ctx context.Context) syscall.Errno {
-	h.wg.Wait()
+	if h.ra != nil {
+		h.ra.close()
+	}
 	if err := h.file.Close(); err != nil {
 		return syscall.EIO
 	}

@@ -5,8 +5,11 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"syscall"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
+
+	"github.com/engramfs/engramfs/cache"
 )
 
 // Sequential readahead, done by the daemon. MaxReadAhead is a setting of
@@ -25,7 +28,11 @@ const (
 	// seqWindow is how far ahead of the reader's last miss the pushes
 	// reach; a new window is asked for once the reader's misses pass half
 	// of the one pushed.
-	seqWindow = 8 << 20
+	seqWindow = 32 << 20
+	// pushChunk is one backing read and one page cache store of the
+	// readahead; pushParallel of them are in flight per handle.
+	pushChunk    = 1 << 20
+	pushParallel = 4
 )
 
 // seqRun follows one handle's reads that reach the daemon (page cache
@@ -72,4 +79,107 @@ func ownOpen(ctx context.Context) bool {
 	}
 	_, err := os.Stat("/proc/self/task/" + strconv.FormatUint(uint64(caller.Pid), 10))
 	return err == nil
+}
+
+// readAhead pushes the windows seqRun asks for into one file's page cache,
+// for one handle. A single goroutine at a time hands out the chunks.
+type readAhead struct {
+	seq  seqRun
+	size int64
+	// fill reads len(b) bytes at off (page-aligned), fewer only at the
+	// end of the file.
+	fill func(b []byte, off int64) (int, error)
+	// store puts data into the file's page cache at off: the inode's
+	// WriteCache (NOTIFY_STORE).
+	store func(off int64, data []byte) syscall.Errno
+
+	mu      sync.Mutex
+	next    int64 // GUARDED_BY(mu); the first byte not handed out yet
+	target  int64 // GUARDED_BY(mu); push up to here
+	running bool  // GUARDED_BY(mu)
+	closed  bool  // GUARDED_BY(mu)
+	wg      sync.WaitGroup
+}
+
+var chunkPool = sync.Pool{New: func() any { b := make([]byte, pushChunk); return &b }}
+
+// observe records a read of [off, end) that reached the daemon and starts
+// pushing when the handle reads sequentially. It never waits for I/O.
+func (r *readAhead) observe(off, end int64) {
+	from, to := r.seq.observe(off, end, r.size)
+	if from >= to {
+		return
+	}
+	from &^= cache.PageSize - 1
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return
+	}
+	if from < r.next || from > r.target {
+		r.next = from // a new run: the old one's rest is not wanted
+	}
+	r.target = to
+	if !r.running {
+		r.running = true
+		r.wg.Add(1)
+		go r.run()
+	}
+}
+
+// run pushes chunks until the target is reached. Never from a Read
+// handler: a store waits on the folio a read holds locked.
+func (r *readAhead) run() {
+	defer r.wg.Done()
+	var inflight sync.WaitGroup
+	defer inflight.Wait()
+	sem := make(chan struct{}, pushParallel)
+	for {
+		r.mu.Lock()
+		if r.closed || r.next >= r.target {
+			r.running = false
+			r.mu.Unlock()
+			return
+		}
+		off := r.next
+		n := min(pushChunk, r.target-off)
+		r.next += n
+		r.mu.Unlock()
+		sem <- struct{}{}
+		inflight.Add(1)
+		go func() {
+			defer inflight.Done()
+			defer func() { <-sem }()
+			if !r.push(off, n) {
+				r.stop()
+			}
+		}()
+	}
+}
+
+// push reads and stores [off, off+n); false when pushing should stop (a
+// read error, which the reader's own read will report, or a mount gone).
+func (r *readAhead) push(off, n int64) bool {
+	bp := chunkPool.Get().(*[]byte)
+	defer chunkPool.Put(bp)
+	got, err := r.fill((*bp)[:n], off)
+	if got == 0 || err != nil {
+		return false
+	}
+	return r.store(off, (*bp)[:got]) == 0
+}
+
+// stop drops what is left to push.
+func (r *readAhead) stop() {
+	r.mu.Lock()
+	r.next = r.target
+	r.mu.Unlock()
+}
+
+// close stops pushing and waits for the pushes in flight (Release).
+func (r *readAhead) close() {
+	r.mu.Lock()
+	r.closed = true
+	r.mu.Unlock()
+	r.wg.Wait()
 }

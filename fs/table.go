@@ -11,7 +11,6 @@ import (
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/internal/stats"
-	"github.com/engramfs/engramfs/prefetch"
 )
 
 // FaultSink hears of the data pages that FUSE reads brought in
@@ -48,43 +47,28 @@ func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 	}
 	var h gofs.FileHandle
 	if !ownOpen(ctx) {
-		h = &tableHandle{}
+		h = &tableHandle{readAhead{size: f.t.FileSize, fill: f.fill, store: f.EmbeddedInode().WriteCache}}
 	}
 	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
 }
 
 // tableHandle is a reader's open table file.
-type tableHandle struct{ seq seqRun }
+type tableHandle struct{ ra readAhead }
 
-// ReadAheadSink queues pages to read and push into the page cache ahead of
-// a sequential reader: prefetch.Prefetcher's prefill work (best effort,
-// behind every decode hint). The FaultSink implements it when it can.
-type ReadAheadSink interface {
-	SubmitPages(keys []cache.PageKey, sig cache.Signal, b *prefetch.Barrier)
-}
+var _ = (gofs.FileReleaser)((*tableHandle)(nil))
 
-// readAhead queues the data pages of [from, to) as prefill work.
-func (f *tableFile) readAhead(from, to int64) {
-	ra, ok := f.faults.(ReadAheadSink)
-	if !ok {
-		return
-	}
-	first := max(uint64(from)/cache.PageSize, f.t.DataPage())
-	end := (uint64(to) + cache.PageSize - 1) / cache.PageSize
-	if first >= end {
-		return
-	}
-	keys := make([]cache.PageKey, 0, end-first)
-	for p := first; p < end; p++ {
-		keys = append(keys, cache.PageKey{Table: f.t.ID, Page: p})
-	}
-	ra.SubmitPages(keys, cache.SignalPrefill, prefetch.NewBarrier())
+// Release waits for the handle's readahead.
+func (h *tableHandle) Release(ctx context.Context) syscall.Errno {
+	h.ra.close()
+	return 0
 }
 
 // Read serves a page fault or read(2) on a table file. With MaxReadAhead 1
 // the kernel asks for exactly the faulting page, so a cold fault costs one
-// page of backing I/O. This is the untimed node; timedTableFile
-// (timing.go) wraps it when metrics are on.
+// page of backing I/O; a handle that reads sequentially has the pages
+// ahead of it pushed (seqread.go), which only changes how many reads reach
+// here. This is the untimed node; timedTableFile (timing.go) wraps it when
+// metrics are on.
 func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	t := f.t
 	if off < 0 || off >= t.FileSize || len(dest) == 0 {
@@ -94,11 +78,7 @@ func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, o
 	f.st.FuseReads.Add(1)
 	f.st.FuseReadBytes.Add(uint64(end - off))
 	if h, ok := fh.(*tableHandle); ok {
-		if from, to := h.seq.observe(off, end, t.FileSize); from < to {
-			// Queued before this read is served: the prefetcher's fetch
-			// of the window runs beside it.
-			f.readAhead(from, to)
-		}
+		h.ra.observe(off, end)
 	}
 
 	hdrLen := int64(len(t.FileHeader))
@@ -119,22 +99,51 @@ func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, o
 		}
 		f.faults.Faulted(keys)
 	}
-	base := int64(first) * cache.PageSize
 	if off >= hdrLen && len(pages) == 1 {
 		// The common case, one faulting page: hand the loader's buffer to
 		// go-fuse, no copy.
+		base := int64(first) * cache.PageSize
 		return fuse.ReadResultData(pages[0][off-base : end-base]), 0
 	}
-	out := dest[:end-off]
+	return fuse.ReadResultData(dest[:f.copyOut(dest[:end-off], off, first, pages)]), 0
+}
+
+// copyOut copies the file's bytes at off into out from the header and the
+// data pages that start at page first.
+func (f *tableFile) copyOut(out []byte, off int64, first uint64, pages [][]byte) int {
+	t, end := f.t, off+int64(len(out))
 	n := 0
-	if off < hdrLen {
+	if off < int64(len(t.FileHeader)) {
 		n = copy(out, t.FileHeader[off:])
 	}
+	base := int64(first) * cache.PageSize
 	for i, p := range pages {
 		pageOff := base + int64(i)*cache.PageSize
 		lo := max(off, pageOff) - pageOff
 		hi := min(end, pageOff+int64(len(p))) - pageOff
-		n += copy(out[n:], p[lo:hi])
+		if lo < hi {
+			n += copy(out[n:], p[lo:hi])
+		}
 	}
-	return fuse.ReadResultData(out[:n]), 0
+	return n
+}
+
+// fill reads b at off for the readahead: through the loader, as prefetch
+// work (shared with any fault on the same pages, counted as prefetch).
+func (f *tableFile) fill(b []byte, off int64) (int, error) {
+	t := f.t
+	end := min(off+int64(len(b)), t.FileSize)
+	if off >= end {
+		return 0, nil
+	}
+	first := max(uint64(off), uint64(len(t.FileHeader))) / cache.PageSize
+	last := uint64(end-1) / cache.PageSize
+	var pages [][]byte
+	if first <= last && end > int64(len(t.FileHeader)) {
+		var err error
+		if pages, err = f.loader.Load(t.ID, first, last-first+1, cache.OriginPrefetch); err != nil {
+			return 0, err
+		}
+	}
+	return f.copyOut(b[:end-off], off, first, pages), nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
@@ -106,6 +107,8 @@ type root struct {
 	o      *Options
 	tables []*tableFile // by table ID: the inodes prefetch stores into
 	mtime  time.Time
+	// servedByDaemon logs once that model files are not passed through.
+	servedByDaemon sync.Once
 }
 
 var _ = (gofs.NodeOnAdder)((*root)(nil))

@@ -1,0 +1,157 @@
+package fs
+
+import (
+	"slices"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// fakePushes records what a readAhead reads and stores.
+type fakePushes struct {
+	mu     sync.Mutex
+	stored [][2]int64 // off, len
+	fail   bool       // every store fails
+}
+
+func newFakeReadAhead(size int64) (*readAhead, *fakePushes) {
+	f := &fakePushes{}
+	r := &readAhead{size: size,
+		fill: func(b []byte, off int64) (int, error) { return int(min(int64(len(b)), size-off)), nil },
+		store: func(off int64, data []byte) syscall.Errno {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			f.stored = append(f.stored, [2]int64{off, int64(len(data))})
+			if f.fail {
+				return syscall.ENOENT
+			}
+			return 0
+		}}
+	return r, f
+}
+
+// settle waits (up to a deadline that fails the test) until r has pushed
+// all it was asked to, then closes it.
+func settle(t *testing.T, r *readAhead) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		r.mu.Lock()
+		idle := !r.running
+		r.mu.Unlock()
+		if idle {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("readahead still running after 10 s")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	r.close()
+}
+
+// covered returns the stores sorted, and whether they tile the ranges
+// [from, to) given as pairs, in order, and nothing else.
+func (f *fakePushes) covered(ranges ...int64) ([][2]int64, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s := slices.Clone(f.stored)
+	slices.SortFunc(s, func(a, b [2]int64) int { return int(a[0] - b[0]) })
+	i := 0
+	for r := 0; r < len(ranges); r += 2 {
+		at := ranges[r]
+		for ; i < len(s) && at < ranges[r+1]; i++ {
+			if s[i][0] != at {
+				return s, false
+			}
+			at += s[i][1]
+		}
+		if at != ranges[r+1] {
+			return s, false
+		}
+	}
+	return s, i == len(s)
+}
+
+// Readahead starts once a handle has read seqTrigger bytes back to back,
+// pushes the window after the last read in pushChunk stores, and goes on
+// when the reader's next miss lands where the pushed pages end.
+func TestReadAheadFollowsASequentialReader(t *testing.T) {
+	const size = 3 * seqWindow
+	r, f := newFakeReadAhead(size)
+	var off int64
+	for ; off < seqTrigger-4096; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	r.close()
+	if len(f.stored) != 0 {
+		t.Fatalf("pushed %v before %d bytes were read in a row", f.stored, seqTrigger)
+	}
+
+	r, f = newFakeReadAhead(size)
+	for off = 0; off < seqTrigger; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	settle(t, r)
+	if s, ok := f.covered(seqTrigger, seqTrigger+seqWindow); !ok || len(s) != seqWindow/pushChunk {
+		t.Fatalf("stores %v: want [%d, %d) in %d-byte pieces", s, seqTrigger, seqTrigger+seqWindow, pushChunk)
+	}
+
+	// The reader's next miss is where the pushed window ends: the run goes
+	// on past the page it reads itself.
+	r, f = newFakeReadAhead(size)
+	for off = 0; off < seqTrigger; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	end := seqTrigger + seqWindow
+	settle(t, r)
+	r.closed = false
+	r.observe(int64(end), int64(end)+4096)
+	settle(t, r)
+	if s, ok := f.covered(seqTrigger, int64(end), int64(end)+4096, int64(end)+4096+seqWindow); !ok {
+		t.Fatalf("stores %v: want the run continued from %d to %d", s, end+4096, end+4096+seqWindow)
+	}
+
+	// Near the end of the file, the window stops at its end.
+	r, f = newFakeReadAhead(size)
+	for off = size - seqTrigger - 8192; off < size-8192; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	settle(t, r)
+	if s, ok := f.covered(size-8192, size); !ok {
+		t.Fatalf("stores %v: want [%d, %d)", s, size-8192, size)
+	}
+}
+
+// Random reads never push; a failing store stops the run; close waits for
+// the pushes and no push starts after it.
+func TestReadAheadIgnoresRandomReadsAndStopsOnFailure(t *testing.T) {
+	r, f := newFakeReadAhead(64 << 20)
+	for i := range int64(200) {
+		off := (i * 7919 % 16000) * 4096
+		r.observe(off, off+4096)
+		r.observe(off+4096, off+8192) // a row over two pages
+	}
+	r.close()
+	if len(f.stored) != 0 {
+		t.Fatalf("random reads pushed %v", f.stored)
+	}
+
+	r, f = newFakeReadAhead(64 << 20)
+	f.fail = true
+	for off := int64(0); off < seqTrigger; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	r.close()
+	if len(f.stored) > pushParallel {
+		t.Fatalf("%d stores after the first failed, want at most the %d in flight", len(f.stored), pushParallel)
+	}
+	n := len(f.stored)
+	for off := int64(seqTrigger); off < 4*seqTrigger; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	if len(f.stored) != n {
+		t.Fatal("pushed after close")
+	}
+}
