@@ -39,6 +39,7 @@ func TestTreeServesTheModelDirectory(t *testing.T) {
 		writeModelFile(t, dir, "layers/0/notes.txt", "merged into the mount's layers/0\n")
 		writeModelFile(t, dir, "layers/0/scale.safetensors/x", "under a table file")
 		writeModelFile(t, dir, ".engramfs/control", "not the control file")
+		writeModelFile(t, dir, ".engramfs/notes", "the control directory is the daemon's")
 		writeModelFile(t, dir, "sub/dir/vocab.txt", "nested\n")
 	}})
 
@@ -79,13 +80,13 @@ func TestTreeServesTheModelDirectory(t *testing.T) {
 	for _, e := range logs.FilterMessage("model directory entry not served").All() {
 		warned[e.ContextMap()["path"].(string)] = e.Level == zapcore.WarnLevel
 	}
-	for _, name := range []string{"manifest.json", "layers/0/scale.safetensors/x", ".engramfs/control"} {
+	for _, name := range []string{"manifest.json", "layers/0/scale.safetensors/x", ".engramfs/control", ".engramfs/notes"} {
 		if !warned[name] {
 			t.Errorf("%s: no warning that it is not served (warned: %v)", name, warned)
 		}
 	}
-	if len(warned) != 3 {
-		t.Errorf("warned of %v, want exactly the three collisions", warned)
+	if len(warned) != 4 {
+		t.Errorf("warned of %v, want exactly the four collisions", warned)
 	}
 	if logs.FilterMessage("serving the mount's own index in place of the model directory's").Len() != 1 {
 		t.Error("no line says the model's index is replaced")
