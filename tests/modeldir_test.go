@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // modelDirWithExtras is a synthetic model directory with what real ones
@@ -71,7 +72,7 @@ func TestMountIsTheModelDirectory(t *testing.T) {
 		if err != nil || !bytes.Equal(got, want) {
 			t.Errorf("%s: %d bytes (%v), want the model directory's %d", name, len(got), err, len(want))
 		}
-		if len(want) > 0 && !bytes.Equal(mapWhole(t, filepath.Join(d.Mountpoint, name)), want) {
+		if len(want) > 0 && !bytes.Equal(testenv.MapFile(t, filepath.Join(d.Mountpoint, name)), want) {
 			t.Errorf("%s: mapped bytes differ", name)
 		}
 	}
@@ -94,23 +95,6 @@ func TestMountIsTheModelDirectory(t *testing.T) {
 	if strings.Contains(d.Log(), "read by the daemon") {
 		t.Logf("this kernel or daemon has no FUSE passthrough: the files were read by the daemon")
 	}
-}
-
-// mapWhole maps path read-only and returns a copy of its bytes.
-func mapWhole(t *testing.T, path string) []byte {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	fi, _ := f.Stat()
-	m, err := unix.Mmap(int(f.Fd()), 0, int(fi.Size()), unix.PROT_READ, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatalf("mmap %s: %v", path, err)
-	}
-	defer unix.Munmap(m)
-	return bytes.Clone(m)
 }
 
 // The same bytes when the daemon reads the files itself (--passthrough=false,
