@@ -45,10 +45,10 @@ type OpenModelFile interface {
 	Fd() int
 }
 
-// maxModelFiles bounds the files a model directory may hold: each costs an
+// MaxModelFiles bounds the files a model directory may hold: each costs an
 // inode of the mount and its listing is kept in memory. A model directory
 // holds tens of files; a million (a mistyped MODEL_DIR of /) is a mistake.
-const maxModelFiles = 100_000
+const MaxModelFiles = 100_000
 
 var _ FileSource = (*LocalSource)(nil)
 
@@ -112,8 +112,8 @@ func (s *LocalSource) Files() ([]ModelFile, []SkippedFile, error) {
 			skip(name, "%s, not a regular file", fileKind(st.Mode))
 			return nil
 		}
-		if len(files) == maxModelFiles {
-			return fmt.Errorf("model directory %s: more than %d files: is it the model's directory?", s.dir, maxModelFiles)
+		if len(files) == MaxModelFiles {
+			return fmt.Errorf("model directory %s: more than %d files: is it the model's directory?", s.dir, MaxModelFiles)
 		}
 		files = append(files, ModelFile{Name: name, Mode: st.Mode & 0o7777, Identity: statIdentity(&st), path: target})
 		return nil

@@ -186,3 +186,33 @@ func TestTableSequentialReadIsReadAhead(t *testing.T) {
 		t.Errorf("reading %d pages straight through took %d FUSE reads: no readahead (want under %d)", pages, reads, pages/8)
 	}
 }
+
+// From s3://, the model's other objects are its files too, read in large
+// ranged GETs: a shard read straight through costs about a GET per MiB,
+// not one per page.
+func TestS3MountIsTheModelDirectory(t *testing.T) {
+	spec := backing.DefaultSynth()
+	spec.Rows = 2048
+	d, dir, _ := s3Model(t, spec, "--cache-size", "0")
+	names := append([]string{"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}, backing.SynthConfigFiles...)
+	for _, name := range names {
+		want, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := d.Stats(t).S3Gets
+		got, err := os.ReadFile(filepath.Join(d.Mountpoint, name))
+		if err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("%s: %d bytes (%v), want the object's %d", name, len(got), err, len(want))
+		}
+		gets, most := d.Stats(t).S3Gets-before, uint64(2*len(want)>>20+4)
+		if gets > most {
+			t.Errorf("%s: %d GETs for %d bytes, want at most %d (large ranged GETs)", name, gets, len(want), most)
+		}
+		t.Logf("%s: %d bytes in %d GETs", name, len(want), gets)
+	}
+	b, err := os.ReadFile(filepath.Join(d.Mountpoint, backing.IndexFile))
+	if err != nil || !bytes.Contains(b, []byte(backing.UnrelatedTensor)) {
+		t.Errorf("the index does not map %s (%v):\n%s", backing.UnrelatedTensor, err, b)
+	}
+}
