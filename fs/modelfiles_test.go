@@ -8,6 +8,7 @@ import (
 	"slices"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"go.uber.org/zap"
@@ -136,7 +137,10 @@ func TestTableReadAheadOnlyForSequentialReaders(t *testing.T) {
 	node := tr.node(tablePath(tb))
 	data := int64(tb.DataPage()) * 4096
 
-	readPages := func(c fuse.Caller, pages []int64) (reads, bytes uint64) {
+	// readPages reads pages through a new handle of c; it waits (up to a
+	// deadline) for the backing to have read wantBytes before closing the
+	// handle, which stops its readahead.
+	readPages := func(c fuse.Caller, pages []int64, wantBytes uint64) (reads, bytes uint64) {
 		t.Helper()
 		out, s := tr.openAs(c, node, syscall.O_RDONLY)
 		if s != fuse.OK {
@@ -146,6 +150,14 @@ func TestTableReadAheadOnlyForSequentialReaders(t *testing.T) {
 		for _, p := range pages {
 			tr.mustRead(node, out.Fh, data+p*4096, 4096)
 		}
+		for deadline := time.Now().Add(10 * time.Second); tr.st.BackingBytes.Load()-b0 < wantBytes && time.Now().Before(deadline); {
+			time.Sleep(time.Millisecond)
+		}
+		if wantBytes == 0 {
+			// Time for a readahead that should not be to show up (a
+			// release stops a readahead not yet started).
+			time.Sleep(200 * time.Millisecond)
+		}
 		in := fuse.ReleaseIn{InHeader: tr.hdr(node), Fh: out.Fh}
 		tr.raw.Release(nil, &in) // waits for the handle's readahead
 		return tr.st.BackingReads.Load() - r0, tr.st.BackingBytes.Load() - b0
@@ -154,18 +166,18 @@ func TestTableReadAheadOnlyForSequentialReaders(t *testing.T) {
 	for i := range seq {
 		seq[i] = int64(i)
 	}
-	if _, b := readPages(otherProcess(tr), seq); b < 32*4096+1<<20 {
+	if _, b := readPages(otherProcess(tr), seq, 32*4096+1<<20); b < 32*4096+1<<20 {
 		t.Errorf("a sequential reader of 32 pages: %d bytes read from backing, want its pages and at least 1 MiB ahead", b)
 	}
 	random := []int64{5000, 17, 9000, 300, 12000, 4444, 1000, 16000, 2, 7777, 8888, 100, 200, 3000, 6000, 15000, 11000, 50}
-	if r, b := readPages(otherProcess(tr), random); r != uint64(len(random)) || b != uint64(len(random))*4096 {
+	if r, b := readPages(otherProcess(tr), random, 0); r != uint64(len(random)) || b != uint64(len(random))*4096 {
 		t.Errorf("a random reader of %d pages: %d backing reads of %d bytes, want one page each", len(random), r, b)
 	}
 	seq2 := make([]int64, 32)
 	for i := range seq2 {
 		seq2[i] = 8192 + int64(i)
 	}
-	if r, b := readPages(tr.caller, seq2); r != 32 || b != 32*4096 {
+	if r, b := readPages(tr.caller, seq2, 0); r != 32 || b != 32*4096 {
 		t.Errorf("the daemon's own handle reading 32 pages: %d backing reads of %d bytes, want one page each", r, b)
 	}
 }
