@@ -101,10 +101,15 @@ var (
 // Open opens the backing file, refusing one that changed since the mount
 // (its size was announced). KEEP_CACHE: the bytes are fixed while mounted
 // (go-fuse clears it for a passthrough open, where the page cache is the
-// backing file's).
+// backing file's). A file that is not readable by everyone in MODEL_DIR is
+// the daemon's user's alone (the kernel checks no mode bits without
+// default_permissions, and with --allow-other every user reaches Open).
 func (f *modelFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&writeFlags != 0 {
 		return nil, 0, syscall.EROFS
+	}
+	if caller, ok := fuse.FromContext(ctx); ok && f.f.Mode&0o004 == 0 && caller.Uid != f.r.o.uid {
+		return nil, 0, syscall.EACCES
 	}
 	of, err := f.r.o.Model.OpenFile(f.f)
 	if err != nil {

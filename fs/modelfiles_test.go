@@ -108,6 +108,32 @@ func TestTreeModelFileNamedLikeAMountDirectory(t *testing.T) {
 	}
 }
 
+// A file not readable by everyone in MODEL_DIR is the daemon's user's alone
+// in the mount (with --allow-other, every user's open reaches the daemon).
+func TestTreeModelFileModeKept(t *testing.T) {
+	tr := newTree(t, treeConfig{prepare: func(dir string) {
+		writeModelFile(t, dir, "secret.json", `{"token": "x"}`)
+		if err := os.Chmod(filepath.Join(dir, "secret.json"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}})
+	other := tr.caller
+	other.Uid++
+	if a, _ := tr.getattr(tr.node("secret.json")); a.Mode != syscall.S_IFREG|0o400 {
+		t.Errorf("secret.json: mode %#o, want 0400", a.Mode)
+	}
+	if _, s := tr.openAs(other, tr.node("secret.json"), syscall.O_RDONLY); s != fuse.Status(syscall.EACCES) {
+		t.Errorf("another user's open of a 0600 file: %v, want EACCES", s)
+	}
+	tr.open(tr.node("secret.json"), syscall.O_RDONLY) // the daemon's user
+	if out, s := tr.openAs(other, tr.node("config.json"), syscall.O_RDONLY); s != fuse.OK {
+		t.Errorf("another user's open of a 0644 file: %v", s)
+	} else {
+		in := fuse.ReleaseIn{InHeader: tr.hdr(tr.node("config.json")), Fh: out.Fh}
+		tr.raw.Release(nil, &in)
+	}
+}
+
 // A file changed since the mount is refused at open (ESTALE), never served
 // with the size the mount announced.
 func TestTreeModelFileChangedIsStale(t *testing.T) {
