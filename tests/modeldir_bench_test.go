@@ -24,6 +24,10 @@ import (
 //   - table: a 64 MiB table file of the mount (the daemon's readahead;
 //     its backing reads are O_DIRECT, so always from the disk).
 //
+// Each mount path also reports the daemon's CPU per MiB read (on a busy
+// node the daemon's readahead is CPU-bound: two copies of every byte, into
+// its buffer and into the page cache).
+//
 // Cold means evicted with FADV_DONTNEED, file by file (the backing shard,
 // and the mount's own page cache where it has one): no drop_caches.
 //
@@ -41,13 +45,15 @@ func BenchmarkModelDirSequentialRead(b *testing.B) {
 		name  string
 		path  string
 		evict []string
+		d     *Daemon // whose CPU the path costs; nil: none
 	}{
-		{"shard_direct", filepath.Join(dir, shard), []string{filepath.Join(dir, shard)}},
-		{"shard_mount", filepath.Join(pt.Mountpoint, shard), []string{filepath.Join(dir, shard)}},
-		{"shard_daemon", filepath.Join(daemon.Mountpoint, shard), []string{filepath.Join(dir, shard), filepath.Join(daemon.Mountpoint, shard)}},
-		{"table", filepath.Join(pt.Mountpoint, tb.Path()), []string{filepath.Join(pt.Mountpoint, tb.Path())}},
+		{"shard_direct", filepath.Join(dir, shard), []string{filepath.Join(dir, shard)}, nil},
+		{"shard_mount", filepath.Join(pt.Mountpoint, shard), []string{filepath.Join(dir, shard)}, pt},
+		{"shard_daemon", filepath.Join(daemon.Mountpoint, shard), []string{filepath.Join(dir, shard), filepath.Join(daemon.Mountpoint, shard)}, daemon},
+		{"table", filepath.Join(pt.Mountpoint, tb.Path()), []string{filepath.Join(pt.Mountpoint, tb.Path())}, pt},
 	}
 	elapsed := make([]time.Duration, len(paths))
+	cpu := make([]time.Duration, len(paths))
 	bytes := make([]int64, len(paths))
 	buf := make([]byte, 1<<20)
 	b.ResetTimer()
@@ -56,10 +62,17 @@ func BenchmarkModelDirSequentialRead(b *testing.B) {
 			for _, e := range p.evict {
 				evict(b, e)
 			}
+			var cpu0 time.Duration
+			if p.d != nil {
+				cpu0 = CPU(b, p.d.Pid())
+			}
 			start := time.Now()
 			n := readThrough(b, p.path, buf)
 			elapsed[i] += time.Since(start)
 			bytes[i] += n
+			if p.d != nil {
+				cpu[i] += CPU(b, p.d.Pid()) - cpu0
+			}
 		}
 	}
 	b.StopTimer()
@@ -67,6 +80,9 @@ func BenchmarkModelDirSequentialRead(b *testing.B) {
 	for i, p := range paths {
 		mbps[p.name] = float64(bytes[i]) / elapsed[i].Seconds() / 1e6
 		b.ReportMetric(mbps[p.name], p.name+"_MB/s")
+		if p.d != nil {
+			b.ReportMetric(cpu[i].Seconds()*1e3/(float64(bytes[i])/(1<<20)), p.name+"_daemon_cpu_ms/MiB")
+		}
 	}
 	b.ReportMetric(mbps["shard_mount"]/mbps["shard_direct"], "shard_mount/direct")
 	b.ReportMetric(mbps["shard_daemon"]/mbps["shard_direct"], "shard_daemon/direct")
