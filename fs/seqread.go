@@ -22,12 +22,15 @@ import (
 // finds them cached and the reader's next miss is a window further on.
 const (
 	// seqTrigger: a handle's reads must have covered this many bytes
-	// back to back before readahead starts. A random reader's fault is one
-	// page, a row two at most: it never gets there.
+	// back to back before readahead starts (a table raises it above two
+	// of its rows: a random gather reads a row, a row and a page at most,
+	// back to back). A random reader never gets there.
 	seqTrigger = 64 << 10
-	// seqWindow is how far ahead of the reader's last miss the pushes
-	// reach; a new window is asked for once the reader's misses pass half
-	// of the one pushed.
+	// seqWindow is the most the pushes reach ahead of the reader's last
+	// miss. The window starts at pushChunk and grows with the run (four
+	// times the bytes read back to back), so a short scan costs little
+	// more than itself; a new window is asked for once the reader's misses
+	// pass half of the one pushed.
 	seqWindow = 32 << 20
 	// pushChunk is one backing read and one page cache store of the
 	// readahead; pushParallel of them are in flight per handle.
@@ -45,22 +48,24 @@ type seqRun struct {
 }
 
 // observe records a read of [off, end) in a file of size bytes and returns
-// the range to read ahead now, if any (from < to). A read that lands beyond
-// the last one but inside what was read ahead continues the run: the pages
-// between were pushed, so the kernel asked for none of them.
-func (s *seqRun) observe(off, end, size int64) (from, to int64) {
+// the range to read ahead now, if any (from < to), once trigger bytes were
+// read back to back. A read that lands beyond the last one but inside what
+// was read ahead continues the run: the pages between were pushed, so the
+// kernel asked for none of them.
+func (s *seqRun) observe(off, end, size, trigger int64) (from, to int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if off == s.next || (off > s.next && off <= s.ahead) {
-		s.streak += end - off
+		s.streak += end - s.next
 	} else {
 		s.streak, s.ahead = end-off, 0
 	}
 	s.next = end
-	if s.streak < seqTrigger || s.ahead >= min(end+seqWindow/2, size) {
+	window := min(seqWindow, max(pushChunk, 4*s.streak))
+	if s.streak < max(trigger, seqTrigger) || s.ahead >= min(end+window/2, size) {
 		return 0, 0
 	}
-	from, to = max(s.ahead, end), min(end+seqWindow, size)
+	from, to = max(s.ahead, end), min(end+window, size)
 	if from >= to {
 		return 0, 0
 	}
@@ -84,8 +89,9 @@ func ownOpen(ctx context.Context) bool {
 // readAhead pushes the windows seqRun asks for into one file's page cache,
 // for one handle. A single goroutine at a time hands out the chunks.
 type readAhead struct {
-	seq  seqRun
-	size int64
+	seq     seqRun
+	size    int64
+	trigger int64 // bytes read back to back before readahead; at least seqTrigger
 	// fill reads len(b) bytes at off (page-aligned), fewer only at the
 	// end of the file.
 	fill func(b []byte, off int64) (int, error)
@@ -106,7 +112,7 @@ var chunkPool = sync.Pool{New: func() any { b := make([]byte, pushChunk); return
 // observe records a read of [off, end) that reached the daemon and starts
 // pushing when the handle reads sequentially. It never waits for I/O.
 func (r *readAhead) observe(off, end int64) {
-	from, to := r.seq.observe(off, end, r.size)
+	from, to := r.seq.observe(off, end, r.size, r.trigger)
 	if from >= to {
 		return
 	}
@@ -135,6 +141,9 @@ func (r *readAhead) run() {
 	defer inflight.Wait()
 	sem := make(chan struct{}, pushParallel)
 	for {
+		// A slot first, then the piece: a piece taken before waiting for
+		// a slot would be pushed after a failure had stopped the run.
+		sem <- struct{}{}
 		r.mu.Lock()
 		if r.closed || r.next >= r.target {
 			r.running = false
@@ -145,7 +154,6 @@ func (r *readAhead) run() {
 		n := min(pushChunk, r.target-off)
 		r.next += n
 		r.mu.Unlock()
-		sem <- struct{}{}
 		inflight.Add(1)
 		go func() {
 			defer inflight.Done()

@@ -75,16 +75,17 @@ func (f *fakePushes) covered(ranges ...int64) ([][2]int64, bool) {
 }
 
 // Readahead starts once a handle has read seqTrigger bytes back to back,
-// pushes the window after the last read in pushChunk stores, and goes on
-// when the reader's next miss lands where the pushed pages end.
+// pushes a window after the last read in pushChunk stores, and goes on when
+// the reader's next miss lands where the pushed pages end, with a window
+// that grows with the run (four times its bytes) up to seqWindow.
 func TestReadAheadFollowsASequentialReader(t *testing.T) {
-	const size = 3 * seqWindow
+	const size = 4 * seqWindow
 	r, f := newFakeReadAhead(size)
 	var off int64
 	for ; off < seqTrigger-4096; off += 4096 {
 		r.observe(off, off+4096)
 	}
-	r.close()
+	settle(t, r)
 	if len(f.stored) != 0 {
 		t.Fatalf("pushed %v before %d bytes were read in a row", f.stored, seqTrigger)
 	}
@@ -94,23 +95,37 @@ func TestReadAheadFollowsASequentialReader(t *testing.T) {
 		r.observe(off, off+4096)
 	}
 	settle(t, r)
-	if s, ok := f.covered(seqTrigger, seqTrigger+seqWindow); !ok || len(s) != seqWindow/pushChunk {
-		t.Fatalf("stores %v: want [%d, %d) in %d-byte pieces", s, seqTrigger, seqTrigger+seqWindow, pushChunk)
+	want := []int64{seqTrigger, seqTrigger + pushChunk} // the first window: one piece
+	if s, ok := f.covered(want...); !ok {
+		t.Fatalf("stores %v: want %v", s, want)
 	}
 
 	// The reader's next miss is where the pushed window ends: the run goes
-	// on past the page it reads itself.
+	// on past the page it reads itself, the window four times the run.
+	for end := want[len(want)-1]; end < size/2; end = want[len(want)-1] {
+		r.closed = false
+		r.observe(end, end+4096)
+		settle(t, r)
+		window := min(seqWindow, 4*(end+4096))
+		want = append(want, end+4096, end+4096+window)
+		if s, ok := f.covered(want...); !ok {
+			t.Fatalf("miss at %d: stores %v: want %v", end, s, want)
+		}
+	}
+	if last := want[len(want)-1] - want[len(want)-2]; last != seqWindow {
+		t.Fatalf("the window grew to %d, want %d", last, seqWindow)
+	}
+
+	// A table's trigger: two rows and a page read back to back start
+	// nothing when that is more than seqTrigger.
 	r, f = newFakeReadAhead(size)
-	for off = 0; off < seqTrigger; off += 4096 {
+	r.trigger = 2*(100<<10) + 4096
+	for off = 0; off < r.trigger-4096; off += 4096 {
 		r.observe(off, off+4096)
 	}
-	end := seqTrigger + seqWindow
 	settle(t, r)
-	r.closed = false
-	r.observe(int64(end), int64(end)+4096)
-	settle(t, r)
-	if s, ok := f.covered(seqTrigger, int64(end), int64(end)+4096, int64(end)+4096+seqWindow); !ok {
-		t.Fatalf("stores %v: want the run continued from %d to %d", s, end+4096, end+4096+seqWindow)
+	if len(f.stored) != 0 {
+		t.Fatalf("pushed %v within two 100 KiB rows", f.stored)
 	}
 
 	// Near the end of the file, the window stops at its end.
@@ -133,20 +148,21 @@ func TestReadAheadIgnoresRandomReadsAndStopsOnFailure(t *testing.T) {
 		r.observe(off, off+4096)
 		r.observe(off+4096, off+8192) // a row over two pages
 	}
-	r.close()
+	settle(t, r)
 	if len(f.stored) != 0 {
 		t.Fatalf("random reads pushed %v", f.stored)
 	}
 
+	// One large read: a window of seqWindow, 32 pieces, that stops at the
+	// first failed store (the pieces in flight finish).
 	r, f = newFakeReadAhead(64 << 20)
 	f.fail = true
-	for off := int64(0); off < seqTrigger; off += 4096 {
-		r.observe(off, off+4096)
+	r.observe(0, 8<<20)
+	settle(t, r)
+	if len(f.stored) == 0 || len(f.stored) > pushParallel {
+		t.Fatalf("%d stores with every store failing, want 1 to the %d in flight", len(f.stored), pushParallel)
 	}
 	r.close()
-	if len(f.stored) > pushParallel {
-		t.Fatalf("%d stores after the first failed, want at most the %d in flight", len(f.stored), pushParallel)
-	}
 	n := len(f.stored)
 	for off := int64(seqTrigger); off < 4*seqTrigger; off += 4096 {
 		r.observe(off, off+4096)

@@ -47,7 +47,8 @@ func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 	}
 	var h gofs.FileHandle
 	if !ownOpen(ctx) {
-		h = &tableHandle{readAhead{size: f.t.FileSize, fill: f.fill, store: f.EmbeddedInode().WriteCache}}
+		h = &tableHandle{readAhead{size: f.t.FileSize, trigger: 2*f.t.RowBytes + cache.PageSize,
+			fill: f.fill, store: f.EmbeddedInode().WriteCache}}
 	}
 	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
 }
