@@ -36,7 +36,13 @@ const (
 	// readahead; pushParallel of them are in flight per handle.
 	pushChunk    = 1 << 20
 	pushParallel = 4
+	// maxPushes bounds the pieces in flight across all handles: each holds
+	// a pushChunk buffer, and a thousand readers must not hold 4 GiB.
+	maxPushes = 16
 )
+
+// pushSlots is taken by every piece in flight, all handles together.
+var pushSlots = make(chan struct{}, maxPushes)
 
 // seqRun follows one handle's reads that reach the daemon (page cache
 // misses) and says when, and what, to read ahead.
@@ -144,10 +150,12 @@ func (r *readAhead) run() {
 		// A slot first, then the piece: a piece taken before waiting for
 		// a slot would be pushed after a failure had stopped the run.
 		sem <- struct{}{}
+		pushSlots <- struct{}{}
 		r.mu.Lock()
 		if r.closed || r.next >= r.target {
 			r.running = false
 			r.mu.Unlock()
+			<-pushSlots
 			return
 		}
 		off := r.next
@@ -157,7 +165,7 @@ func (r *readAhead) run() {
 		inflight.Add(1)
 		go func() {
 			defer inflight.Done()
-			defer func() { <-sem }()
+			defer func() { <-pushSlots; <-sem }()
 			if !r.push(off, n) {
 				r.stop()
 			}

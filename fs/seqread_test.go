@@ -171,3 +171,50 @@ func TestReadAheadIgnoresRandomReadsAndStopsOnFailure(t *testing.T) {
 		t.Fatal("pushed after close")
 	}
 }
+
+// Pieces in flight are bounded across handles (maxPushes), each holding a
+// buffer: many sequential readers do not multiply the daemon's memory.
+func TestReadAheadBoundsPiecesAcrossHandles(t *testing.T) {
+	var mu sync.Mutex
+	inflight, most := 0, 0
+	release := make(chan struct{})
+	var all []*readAhead
+	for range 3 * maxPushes / pushParallel {
+		r := &readAhead{size: 64 << 20,
+			fill: func(b []byte, off int64) (int, error) { return len(b), nil },
+			store: func(off int64, data []byte) syscall.Errno {
+				mu.Lock()
+				inflight++
+				most = max(most, inflight)
+				mu.Unlock()
+				<-release
+				mu.Lock()
+				inflight--
+				mu.Unlock()
+				return 0
+			}}
+		r.observe(0, 8<<20) // a 32 MiB window
+		all = append(all, r)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		mu.Lock()
+		n := inflight
+		mu.Unlock()
+		if n == maxPushes {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d pieces in flight after 10 s, want %d", n, maxPushes)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond) // room for one too many to show
+	close(release)
+	for _, r := range all {
+		settle(t, r)
+	}
+	if most != maxPushes {
+		t.Fatalf("%d pieces were in flight at once across handles, want at most %d", most, maxPushes)
+	}
+}
