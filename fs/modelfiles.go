@@ -73,8 +73,9 @@ func (r *root) addModelFiles(addFile func(*gofs.Inode, string, gofs.InodeEmbedde
 			continue
 		}
 		attr := r.attr(syscall.S_IFREG|(0o444&f.Mode), int(f.Identity.Size))
-		mtime := f.Identity.MTime
-		attr.SetTimes(&mtime, &mtime, &mtime)
+		if mtime := f.Identity.MTime; !mtime.IsZero() { // objects have none: the mount's
+			attr.SetTimes(&mtime, &mtime, &mtime)
+		}
 		addFile(dir, base, &modelFile{roFile: roFile{attr: attr}, f: f, r: r})
 	}
 	if logged > maxSkipLogs {
@@ -94,9 +95,7 @@ type modelFile struct {
 	r *root
 }
 
-var (
-	_ = (gofs.NodeOpener)((*modelFile)(nil))
-)
+var _ = (gofs.NodeOpener)((*modelFile)(nil))
 
 // Open opens the backing file, refusing one that changed since the mount
 // (its size was announced). KEEP_CACHE: the bytes are fixed while mounted
