@@ -286,7 +286,7 @@ func TestLoadRefusesBadIndex(t *testing.T) {
 
 func readWeightMap(t *testing.T, dir string) map[string]string {
 	t.Helper()
-	wm, err := readIndex(NewLocalSource(dir, IOBuffered, nil, nil), filepath.Join(dir, IndexFile))
+	wm, _, err := readIndex(NewLocalSource(dir, IOBuffered, nil, nil), filepath.Join(dir, IndexFile))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -55,6 +55,9 @@ type Options struct {
 	// ControlHandles bounds the open handles of the control file (ENFILE
 	// past it); 0 is DefaultControlHandles.
 	ControlHandles int
+	// NoPassthrough serves the model directory's other files through the
+	// daemon even where FUSE passthrough works (modelfiles.go).
+	NoPassthrough bool
 
 	uid, gid uint32
 	hotLog   *zap.Logger

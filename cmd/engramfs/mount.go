@@ -41,6 +41,7 @@ type mountFlags struct {
 	stateFile    string
 	allowOther   bool
 	debugFUSE    bool
+	passthrough  bool
 	s3Flags
 	logFlags
 }
@@ -69,6 +70,8 @@ func (f *mountFlags) register(fl interface {
 	fl.BoolVar(&f.allowOther, "allow-other", false,
 		"let users other than the daemon's read the mount (the control file stays owner-only)")
 	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
+	fl.BoolVar(&f.passthrough, "passthrough", true,
+		"serve MODEL_DIR's other files (config, tokenizer, shards) with FUSE passthrough where the kernel allows (6.9+, CAP_SYS_ADMIN); false: the daemon reads them, with readahead for sequential readers")
 	fl.StringVar(&f.metricsAddr, "metrics-addr", "",
 		"serve Prometheus metrics on this host:port at /metrics, e.g. 127.0.0.1:9464 (off when empty)")
 	fl.StringVar(&f.stateFile, "state-file", "",
@@ -84,15 +87,17 @@ func init() {
 
 func runMount(args []string) error {
 	fl := newFlagSet("mount", "[flags] MODEL_DIR MOUNTPOINT", `
-Mounts the engram tables of MODEL_DIR on MOUNTPOINT and serves them in the
-foreground until SIGINT or SIGTERM, which unmount (lazily when a reader still
-maps a file). The tree:
+Mounts MODEL_DIR on MOUNTPOINT with its engram tables served by engramfs, and
+serves it in the foreground until SIGINT or SIGTERM, which unmount (lazily
+when a reader still maps a file). The tree:
 
   manifest.json                     layers, tables, dtype, shape, row_bytes, data_offset, file
-  model.safetensors.index.json      weight_map: tensor name -> table file
+  model.safetensors.index.json      weight_map: every tensor -> its table file, or its shard
   layers/<L>/<table>.safetensors    one single-tensor safetensors file per table, data page-aligned
   .engramfs/stats                   JSON counters
   .engramfs/control                 hints: write frames, read(2) on the handle waits for them (owner only)
+  every other file of MODEL_DIR     at its own path, same bytes (config, tokenizer, shards, subdirectories);
+                                    where a name is taken twice the mount's entry wins (a warning names it)
 
 MODEL_DIR holds model.safetensors.index.json and its shards, or *.safetensors
 files, in a directory or under an object store prefix s3://bucket/prefix
@@ -276,6 +281,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	if d.srv, err = fs.New(fs.Options{
 		Model: model, Loader: loader, Stats: st, Log: log,
 		AllowOther: mf.allowOther, Debug: mf.debugFUSE, ControlHandles: mf.ctlHandles,
+		NoPassthrough: !mf.passthrough,
 	}); err != nil {
 		return nil, err
 	}
