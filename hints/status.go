@@ -13,4 +13,8 @@ type Status struct {
 	Pinned   uint64 `json:"pinned"`   // in the pinned hot tier already: nothing to fetch
 	Dropped  uint64 `json:"dropped"`  // prefill pages dropped from a full queue (never decode)
 	Failed   uint64 `json:"failed"`   // the backing read or the page cache store failed
+
+	// Cached is the part of Resident that was in the page cache already
+	// when the hint came (not pinned, not read or stored again).
+	Cached uint64 `json:"cached"`
 }

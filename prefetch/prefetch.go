@@ -71,7 +71,8 @@ type HotTier interface {
 // Config sizes the prefetcher.
 type Config struct {
 	// InflightPages bounds the pages handed to the loader and not yet
-	// answered: about twice the backing queue depth keeps the disk busy,
+	// stored into the page cache (read, or read and waiting for a
+	// pusher): about twice the backing queue depth keeps the disk busy,
 	// and a decode hint that arrives behind a prefill flood waits for at
 	// most that much work, not for the queue. Decode work may have this
 	// many pages in flight whatever prefill work holds (so up to twice it
@@ -125,12 +126,13 @@ type Prefetcher struct {
 	quit      chan struct{} // closed by Close: the fetch loop ends
 	fetchDone chan struct{}
 
-	omu      sync.Mutex
-	out      []outcome     // GUARDED_BY(omu): answers for the pushers
-	outReady chan struct{} // signalled when out grows
-	pushQuit chan struct{} // closed by Close once nothing is in flight
-	pushers  sync.WaitGroup
-	pushing  int // GUARDED_BY(mu): batches a pusher took and has not settled
+	omu       sync.Mutex
+	out       []outcome     // GUARDED_BY(omu): answers for the pushers (prefill, confirms)
+	outDecode []outcome     // GUARDED_BY(omu): decode answers, taken before any of out
+	outReady  chan struct{} // signalled when out or outDecode grows
+	pushQuit  chan struct{} // closed by Close once nothing is in flight
+	pushers   sync.WaitGroup
+	pushing   int // GUARDED_BY(mu): batches a pusher took and has not settled
 
 	// Hint accuracy, by table ID.
 	layerOf []*stats.LayerCounters
@@ -197,7 +199,7 @@ func (p *Prefetcher) Submit(class hints.Class, layer int, rows []uint64, b *Barr
 // SubmitPart queues part of a frame (the rows that one write delivered);
 // frameEnd says the frame is complete. Rows are deduplicated before they
 // become pages, pages become runs of adjacent pages, and pages already
-// pinned (or, for prefill, in the page cache: skipPresent) cost nothing but
+// pinned or in the page cache (skipPresent) cost nothing but
 // a count; pages already queued or in flight are not fetched twice, b just
 // waits for them too.
 func (p *Prefetcher) SubmitPart(b *Barrier, class hints.Class, layer int, rows []uint64, frameEnd bool) {
@@ -352,21 +354,23 @@ func (w *residency) present(hot HotTier, runs []pageRun, i int, pg uint64) bool 
 	return w.known && w.vec[pg-w.first]&1 != 0
 }
 
-// skipPresent takes out of runs the pages the hot tier has pinned and, with
-// lookup, those already in the page cache (a reader faulted them, or an
-// earlier hint pushed them): fetching them would read and store them again,
-// where fadvise(WILLNEED) would do nothing. It returns what is left, the
-// pages it took out (the tier hears of them as the hint's accesses) and how
-// many of those were only cached. Cached pages are marked hinted: one
-// evicted before its reader gets there is a refault.
+// skipPresent takes out of runs the pages the hot tier has pinned and those
+// already in the page cache (a reader faulted them, or an earlier hint
+// pushed them): fetching them would read and store them again, where
+// fadvise(WILLNEED) would do nothing. It returns what is left and the pages
+// it took out, pinned and only cached (the tier hears of them as the hint's
+// accesses). Cached pages are marked hinted: one evicted before
+// its reader gets there is a refault.
 //
-// Only prefill work looks up (lookup): a prefill chunk names many pages
-// already cached (measured: 10K of a quick bench chunk pair's 98K, the scale
-// pages that many rows share and rows earlier chunks read), and it is sent a
-// chunk ahead. A decode step's unpinned pages are cold nearly always (13 of
-// 14,480 in the bench: the tier pins every page decode keeps using), and a
-// lookup, ~1 µs a call on these VMs, would sit on the step's critical path.
-func (p *Prefetcher) skipPresent(runs []pageRun, lookup bool) (kept []pageRun, hits []cache.PageKey, cached uint64) {
+// Decode work looks up too. A decode step alone, from a dropped cache,
+// names few cached pages that are not pinned (13 of 14,480 in the bench's
+// decode phase), but in a serving loop under a memory limit the tier holds
+// only part of decode's working set and the rest lives in the page cache:
+// 78% of a step's pages were resident before it, and the barriers had
+// fetched 132 pages a step (v3: 60 cold reads), each a backing read the
+// step waited for. A lookup costs ~1 µs a window (runs within spanGap
+// share one) and 40 ns a page; a cold read it saves, 35-40 µs.
+func (p *Prefetcher) skipPresent(runs []pageRun) (kept []pageRun, pinned, cached []cache.PageKey) {
 	kept = runs[:0:0]
 	var w residency
 	for i, r := range runs {
@@ -375,13 +379,13 @@ func (p *Prefetcher) skipPresent(runs []pageRun, lookup bool) (kept []pageRun, h
 			k := cache.PageKey{Table: r.table, Page: pg}
 			switch {
 			case p.hot.Pinned(k):
-			case lookup && w.present(p.hot, runs, i, pg):
-				cached++
+				pinned = append(pinned, k)
+			case w.present(p.hot, runs, i, pg):
+				cached = append(cached, k)
 				p.markHinted(r.table, pg, 1)
 			default:
 				continue
 			}
-			hits = append(hits, k)
 			if pg > start {
 				kept = append(kept, pageRun{table: r.table, first: start, n: pg - start})
 			}
@@ -391,20 +395,22 @@ func (p *Prefetcher) skipPresent(runs []pageRun, lookup bool) (kept []pageRun, h
 			kept = append(kept, pageRun{table: r.table, first: start, n: end - start})
 		}
 	}
-	return kept, hits, cached
+	return kept, pinned, cached
 }
 
-// submitRuns takes out the pages the hot tier has pinned and, for prefill
-// work, those already in the page cache, then admits the rest.
+// submitRuns takes out the pages the hot tier has pinned and those already
+// in the page cache, then admits the rest.
 func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode bool, sig cache.Signal, frameEnd bool) {
 	start := time.Now()
-	var pinned, cached uint64
+	var pinned, cached []cache.PageKey
 	if p.hot != nil {
-		var hits []cache.PageKey
-		runs, hits, cached = p.skipPresent(runs, !decode)
-		pinned = uint64(len(hits)) - cached
-		p.st.PrefetchPagesCached.Add(cached)
-		if len(hits) > 0 {
+		runs, pinned, cached = p.skipPresent(runs)
+		n := uint64(len(cached))
+		p.st.PrefetchPagesCached.Add(n)
+		if decode {
+			p.st.PrefetchDecodePagesCached.Add(n)
+		}
+		if hits := append(pinned, cached...); len(hits) > 0 {
 			p.hot.Admit(hits, sig)
 		}
 	}
@@ -419,8 +425,7 @@ func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode 
 	p.mu.Lock()
 	b.p.CompareAndSwap(nil, p)
 	seq := p.c.submission(b)
-	p.c.pinned(b, pinned)
-	p.c.cached(b, cached)
+	p.c.present(b, pinned, cached)
 	var buf []pageRun
 	var yielded time.Duration
 	for len(runs) > 0 {
@@ -563,7 +568,7 @@ func (p *Prefetcher) Faulted(keys []cache.PageKey) {
 		}
 	}
 	p.mu.Lock()
-	confirm, late := p.c.faulted(keys)
+	confirm, keys, late := p.c.faulted(keys)
 	p.mu.Unlock()
 	if late > 0 {
 		p.st.PrefetchLate.Add(late)

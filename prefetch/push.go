@@ -23,15 +23,24 @@ type outcome struct {
 	err     error
 	confirm bool // a fault cancelled the fetch: confirm the page resident
 	decode  bool // fetched for a decode hint: pushed and settled first
+	fetched bool // the loader's answer for claimed pages: in the in-flight budget until settled
 }
 
 // maxStorePages caps one merged store (1 MiB, as a backing read).
 const maxStorePages = cache.MaxRunPages
 
+// pushSlicePages is how many pages of prefill answers a pusher takes at
+// once: it looks for decode answers between slices, so a decode step's
+// pages wait for at most a slice of prefill stores (~2-4 µs a page), where
+// a pusher that took every answer waiting stored them whole first (a
+// one-row decode step waited ~100 ms behind 5,000 prefill stores).
+const pushSlicePages = 64
+
 // settled is a run's outcome, ready for the core.
 type settled struct {
-	run cache.Run
-	o   Outcome
+	run     cache.Run
+	o       Outcome
+	fetched bool // claimed pages the loader answered: they leave the in-flight budget
 }
 
 func (p *Prefetcher) signalPushers() {
@@ -69,8 +78,7 @@ func (p *Prefetcher) pushLoop() {
 	var sc pushScratch
 	for {
 		p.omu.Lock()
-		batch := p.out
-		p.out = sc.batch[:0]
+		batch := p.takeLocked(sc.batch[:0])
 		p.omu.Unlock()
 		if len(batch) == 0 {
 			sc.batch = batch
@@ -79,7 +87,7 @@ func (p *Prefetcher) pushLoop() {
 				continue
 			case <-p.pushQuit:
 				p.omu.Lock()
-				empty := len(p.out) == 0
+				empty := len(p.out)+len(p.outDecode) == 0
 				p.omu.Unlock()
 				if empty {
 					return
@@ -90,7 +98,7 @@ func (p *Prefetcher) pushLoop() {
 		p.mu.Lock()
 		p.pushing++
 		p.mu.Unlock()
-		p.push(batch, &sc)
+		p.pushPart(batch, &sc)
 		p.mu.Lock()
 		p.pushing--
 		p.idle.Broadcast()
@@ -100,19 +108,27 @@ func (p *Prefetcher) pushLoop() {
 	}
 }
 
-// push stores, confirms and settles one batch of answers: the decode
-// hints' first (a decode step's barrier waits on them, and the batch may
-// hold thousands of prefill pages), then the rest.
-func (p *Prefetcher) push(batch []outcome, sc *pushScratch) {
-	n := 0
-	for i := range batch {
-		if batch[i].decode {
-			batch[i], batch[n] = batch[n], batch[i]
-			n++
-		}
+// takeLocked appends to batch the answers a pusher handles next: every
+// decode answer waiting, else up to pushSlicePages pages of the others.
+//
+// REQUIRES(p.omu)
+func (p *Prefetcher) takeLocked(batch []outcome) []outcome {
+	if len(p.outDecode) > 0 {
+		batch = append(batch, p.outDecode...)
+		clear(p.outDecode)
+		p.outDecode = reuse(p.outDecode)
+		return batch
 	}
-	p.pushPart(batch[:n], sc)
-	p.pushPart(batch[n:], sc)
+	i, pages := 0, uint64(0)
+	for i < len(p.out) && pages < pushSlicePages {
+		pages += p.out[i].run.N
+		i++
+	}
+	batch = append(batch, p.out[:i]...)
+	n := copy(p.out, p.out[i:])
+	clear(p.out[n:])
+	p.out = p.out[:n]
+	return batch
 }
 
 // pushPart stores, confirms and settles answers, adjacent pages in one store.
@@ -131,12 +147,12 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 		o := batch[i]
 		switch {
 		case o.confirm:
-			done = append(done, settled{o.run, p.confirm(o.run)})
+			done = append(done, settled{o.run, p.confirm(o.run), false})
 			i++
 			continue
 		case o.err != nil:
 			p.st.PrefetchPagesFailed.Add(o.run.N)
-			done = append(done, settled{o.run, Failed})
+			done = append(done, settled{o.run, Failed, o.fetched})
 			i++
 			continue
 		}
@@ -158,7 +174,7 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 			data = buf
 		}
 		r := cache.Run{Table: o.run.Table, First: o.run.First, N: n}
-		done = append(done, settled{r, p.store(r, data)})
+		done = append(done, settled{r, p.store(r, data), o.fetched})
 		i = j
 	}
 	p.settle(done, sc)
@@ -235,9 +251,17 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 		}
 	}
 	p.mu.Lock()
+	freed := false
 	for _, d := range done {
+		if d.fetched {
+			p.c.answered(d.run) // before settle forgets the pages' states
+			freed = true
+		}
 		p.c.settle(d.run.Table, d.run.First, d.run.N, d.o)
 	}
 	p.mu.Unlock()
+	if freed {
+		p.wakeFetch()
+	}
 	sc.decode, sc.prefill = reuse(decodeKeys), reuse(prefillKeys)
 }

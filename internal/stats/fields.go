@@ -211,6 +211,13 @@ var Fields = []Field{
 		"Hinted pages that settled as failed: their backing read or their push failed, or a page a fault served could not be confirmed in the page cache.",
 		"prefetch_pages_failed_total"},
 
+	{"prefetch_decode_pages_cached", Counter, "pages", GroupPrefill, "decode-hinted pages already cached: not fetched",
+		"Of prefetch_pages_cached, the pages decode hints named: in the page cache already (a reader faulted them, or an earlier hint pushed them), not pinned, so neither read nor stored again.",
+		"prefetch_decode_pages_cached_total"},
+	{"prefetch_pushed_evicted", Counter, "pages", GroupPrefill, "pushed pages evicted before their reader came",
+		"Pages a hint pushed into the page cache that a FUSE read then asked for before any new hint named them: the page cache evicted them before their reader got there (or after it had read them once, and it came back unhinted). Each is a second backing read of a page the prefetch read.",
+		"prefetch_pushed_evicted_total"},
+
 	{"warm_pages_total", Gauge, "pages", GroupWarm, "saved hot pages to fetch again",
 		"Pages of the saved hot set that the warm restart fetches again (0 without a state file).",
 		"warm_pages"},

@@ -73,6 +73,11 @@ type Counters struct {
 	PrefetchLateServed   atomic.Uint64
 	PrefetchPagesFailed  atomic.Uint64
 
+	// Prefetch in the serving loop (prefetch): decode hints that found
+	// their pages cached, pushes evicted before their reader came.
+	PrefetchDecodePagesCached atomic.Uint64
+	PrefetchPushedEvicted     atomic.Uint64
+
 	// Warm restart (warm).
 	WarmPagesTotal atomic.Uint64
 	WarmPagesDone  atomic.Uint64
@@ -180,6 +185,9 @@ type Snapshot struct {
 	PrefetchLateServed   uint64 `json:"prefetch_late_served"`
 	PrefetchPagesFailed  uint64 `json:"prefetch_pages_failed"`
 
+	PrefetchDecodePagesCached uint64 `json:"prefetch_decode_pages_cached"`
+	PrefetchPushedEvicted     uint64 `json:"prefetch_pushed_evicted"`
+
 	WarmPagesTotal uint64 `json:"warm_pages_total"`
 	WarmPagesDone  uint64 `json:"warm_pages_done"`
 
@@ -244,6 +252,9 @@ func (c *Counters) Snapshot() Snapshot {
 		PrefetchLate:         c.PrefetchLate.Load(),
 		PrefetchLateServed:   c.PrefetchLateServed.Load(),
 		PrefetchPagesFailed:  c.PrefetchPagesFailed.Load(),
+
+		PrefetchDecodePagesCached: c.PrefetchDecodePagesCached.Load(),
+		PrefetchPushedEvicted:     c.PrefetchPushedEvicted.Load(),
 
 		WarmPagesTotal: c.WarmPagesTotal.Load(),
 		WarmPagesDone:  c.WarmPagesDone.Load(),
