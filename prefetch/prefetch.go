@@ -137,6 +137,8 @@ type Prefetcher struct {
 	// Hint accuracy, by table ID.
 	layerOf []*stats.LayerCounters
 	hinted  []atomic.Pointer[pageBits]
+	// pushed: the pages stored into the page cache since their last fault.
+	pushed []atomic.Pointer[pageBits]
 }
 
 // pageBits is one bit per file page of a table: the pages hints asked for
@@ -166,6 +168,7 @@ func New(cfg Config, model *backing.Model, loader PageFetcher, pusher Pusher, ho
 	p.confirmer, _ = pusher.(Confirmer)
 	p.idle = sync.NewCond(&p.mu)
 	p.hinted = make([]atomic.Pointer[pageBits], len(model.Tables))
+	p.pushed = make([]atomic.Pointer[pageBits], len(model.Tables))
 	p.layerOf = make([]*stats.LayerCounters, len(model.Tables))
 	for i, t := range model.Tables {
 		if p.layerOf[i] = st.Layer(t.Layer); p.layerOf[i] == nil {
@@ -588,26 +591,40 @@ func (p *Prefetcher) Faulted(keys []cache.PageKey) {
 }
 
 // refaulted counts, per layer, the pages of keys a hint asked for since
-// their last fault, once each. Lock-free: it runs in the Read handler.
+// their last fault, once each, and the pages of keys pushed since their
+// last fault (prefetch_pushed_evicted: a fault on a pushed page means the
+// page cache let it go before the reader got there, or after it read it
+// once and came back unhinted). Lock-free: it runs in the Read handler.
 func (p *Prefetcher) refaulted(keys []cache.PageKey) {
 	for _, k := range keys {
 		if p.clearHinted(k) {
 			p.layerOf[k.Table].Refaulted.Add(1)
 		}
+		if clearBit(p.pushed, k) {
+			p.st.PrefetchPushedEvicted.Add(1)
+		}
 	}
 }
 
-// markHinted sets the bits of pages [first, first+n) of table, allocating
-// the table's bitmap on its first hint.
+// markHinted sets the hinted bits of pages [first, first+n) of table.
 func (p *Prefetcher) markHinted(table uint32, first, n uint64) {
-	if int(table) >= len(p.hinted) {
+	p.markBits(p.hinted, table, first, n)
+}
+
+// clearHinted clears k's hinted bit and reports whether it was set.
+func (p *Prefetcher) clearHinted(k cache.PageKey) bool { return clearBit(p.hinted, k) }
+
+// markBits sets the bits of pages [first, first+n) of table in the bitmaps
+// of maps, allocating the table's bitmap on first use.
+func (p *Prefetcher) markBits(maps []atomic.Pointer[pageBits], table uint32, first, n uint64) {
+	if int(table) >= len(maps) {
 		return
 	}
-	bits := p.hinted[table].Load()
+	bits := maps[table].Load()
 	if bits == nil {
 		fresh := &pageBits{words: make([]atomic.Uint64, (p.model.Tables[table].Pages()+63)/64)}
-		if !p.hinted[table].CompareAndSwap(nil, fresh) {
-			bits = p.hinted[table].Load()
+		if !maps[table].CompareAndSwap(nil, fresh) {
+			bits = maps[table].Load()
 		} else {
 			bits = fresh
 		}
@@ -619,12 +636,13 @@ func (p *Prefetcher) markHinted(table uint32, first, n uint64) {
 	}
 }
 
-// clearHinted clears k's bit and reports whether it was set.
-func (p *Prefetcher) clearHinted(k cache.PageKey) bool {
-	if int(k.Table) >= len(p.hinted) {
+// clearBit clears k's bit in the bitmaps of maps and reports whether it
+// was set.
+func clearBit(maps []atomic.Pointer[pageBits], k cache.PageKey) bool {
+	if int(k.Table) >= len(maps) {
 		return false
 	}
-	bits := p.hinted[k.Table].Load()
+	bits := maps[k.Table].Load()
 	if bits == nil || k.Page/64 >= uint64(len(bits.words)) {
 		return false
 	}

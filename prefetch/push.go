@@ -256,6 +256,9 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 		if d.fetched {
 			p.c.answered(d.run) // before settle forgets the pages' states
 			freed = true
+			if d.o == Resident {
+				p.markPushed(d.run)
+			}
 		}
 		p.c.settle(d.run.Table, d.run.First, d.run.N, d.o)
 	}
@@ -264,4 +267,17 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 		p.wakeFetch()
 	}
 	sc.decode, sc.prefill = reuse(decodeKeys), reuse(prefillKeys)
+}
+
+// markPushed marks the pages of run r, just stored, as pushed: a fault on
+// one before the next counts as a push evicted before use. A page a reader
+// faulted while its fetch was in flight is not marked: that reader used it.
+//
+// REQUIRES(p.mu)
+func (p *Prefetcher) markPushed(r cache.Run) {
+	for pg := r.First; pg < r.First+r.N; pg++ {
+		if s := p.c.pages.get(r.Table, pg); s != nil && !s.faulted {
+			p.markBits(p.pushed, r.Table, pg, 1)
+		}
+	}
 }

@@ -268,3 +268,49 @@ func TestBarrierCountsAPageOnce(t *testing.T) {
 		t.Fatalf("status %+v, want 20 pages: 15 resident, 5 dropped, none cached", s)
 	}
 }
+
+// A fault on a page a hint pushed counts as a push evicted before use,
+// once; a fault that caught its prefetch in flight used it, and does not.
+func TestPushedPageFaultedCountsAsEvicted(t *testing.T) {
+	m := testModel(t, 4000)
+	tb := m.Tables[0]
+	key := func(row uint64) cache.PageKey {
+		pg, _ := tb.RowPages(row)
+		return cache.PageKey{Table: tb.ID, Page: pg}
+	}
+	p, st, _ := newTestPrefetcher(t, m, nil, DefaultConfig(4))
+	b := NewBarrier()
+	p.Submit(hints.Prefill, 0, []uint64{1, 2, 3}, b)
+	if err := b.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	p.Faulted([]cache.PageKey{key(1), key(2)}) // evicted, then read
+	p.Faulted([]cache.PageKey{key(1)})         // read again: not pushed since
+	if got := st.PrefetchPushedEvicted.Load(); got != 2 {
+		t.Fatalf("prefetch_pushed_evicted %d, want 2", got)
+	}
+
+	// A fault while the fetch is in flight: the reader used the page.
+	pusher := &gatedPusher{gate: make(chan struct{})}
+	st2 := &stats.Counters{}
+	st2.SetLayers(m.Layers)
+	p2 := New(DefaultConfig(4), m, cache.NewLoader(&countingReader{}, m.Tables, st2), pusher, nil, st2, nil)
+	defer p2.Close()
+	b2 := NewBarrier()
+	p2.Submit(hints.Prefill, 0, []uint64{5}, b2)
+	waitUntil(t, "never in flight", func() bool {
+		p2.mu.Lock()
+		defer p2.mu.Unlock()
+		s := p2.c.pages.get(tb.ID, key(5).Page)
+		return s != nil && s.stage == stInflight
+	})
+	p2.Faulted([]cache.PageKey{key(5)})
+	pusher.open()
+	if err := b2.Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	p2.Faulted([]cache.PageKey{key(5)})
+	if got := st2.PrefetchPushedEvicted.Load(); got != 0 {
+		t.Fatalf("prefetch_pushed_evicted %d after a late fault, want 0", got)
+	}
+}
