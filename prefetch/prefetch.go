@@ -71,8 +71,9 @@ type HotTier interface {
 // Config sizes the prefetcher.
 type Config struct {
 	// InflightPages bounds the pages handed to the loader and not yet
-	// stored into the page cache (read, or read and waiting for a
-	// pusher): about twice the backing queue depth keeps the disk busy,
+	// answered (and, 8 times over, those together with the pages read
+	// and waiting for a pusher): about twice the backing queue depth
+	// keeps the disk busy,
 	// and a decode hint that arrives behind a prefill flood waits for at
 	// most that much work, not for the queue. Decode work may have this
 	// many pages in flight whatever prefill work holds (so up to twice it

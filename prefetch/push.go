@@ -254,7 +254,7 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 	freed := false
 	for _, d := range done {
 		if d.fetched {
-			p.c.answered(d.run) // before settle forgets the pages' states
+			p.c.stored(d.run)
 			freed = true
 			if d.o == Resident {
 				p.markPushed(d.run)
