@@ -29,12 +29,14 @@ type outcome struct {
 // maxStorePages caps one merged store (1 MiB, as a backing read).
 const maxStorePages = cache.MaxRunPages
 
-// pushSlicePages is how many pages of prefill answers a pusher takes at
-// once: it looks for decode answers between slices, so a decode step's
-// pages wait for at most a slice of prefill stores (~2-4 µs a page), where
-// a pusher that took every answer waiting stored them whole first (a
-// one-row decode step waited ~100 ms behind 5,000 prefill stores).
-const pushSlicePages = 64
+// A pusher looks for decode answers after every store of a prefill batch
+// and stores and settles those first: a decode step's pages wait for at
+// most one prefill store (up to maxStorePages pages merged), where a pusher
+// that took every answer waiting stored them whole before it looked again
+// (issue 24: a one-row decode step waited ~100 ms behind 5,000 prefill
+// stores). Taking prefill answers in slices of 64 pages instead cost the
+// serving loop's prefill chunks 25-50 ms of waiting (0.4 ms before): a
+// settle and a tier admission per slice, and fewer adjacent pages merged.
 
 // settled is a run's outcome, ready for the core.
 type settled struct {
@@ -75,7 +77,7 @@ func reuse[T any](s []T) []T {
 
 func (p *Prefetcher) pushLoop() {
 	defer p.pushers.Done()
-	var sc pushScratch
+	var sc, dsc pushScratch // dsc: decode answers taken during a prefill batch
 	for {
 		p.omu.Lock()
 		batch := p.takeLocked(sc.batch[:0])
@@ -98,7 +100,7 @@ func (p *Prefetcher) pushLoop() {
 		p.mu.Lock()
 		p.pushing++
 		p.mu.Unlock()
-		p.pushPart(batch, &sc)
+		p.pushPart(batch, &sc, &dsc)
 		p.mu.Lock()
 		p.pushing--
 		p.idle.Broadcast()
@@ -109,7 +111,7 @@ func (p *Prefetcher) pushLoop() {
 }
 
 // takeLocked appends to batch the answers a pusher handles next: every
-// decode answer waiting, else up to pushSlicePages pages of the others.
+// decode answer waiting, else every other answer.
 //
 // REQUIRES(p.omu)
 func (p *Prefetcher) takeLocked(batch []outcome) []outcome {
@@ -119,20 +121,31 @@ func (p *Prefetcher) takeLocked(batch []outcome) []outcome {
 		p.outDecode = reuse(p.outDecode)
 		return batch
 	}
-	i, pages := 0, uint64(0)
-	for i < len(p.out) && pages < pushSlicePages {
-		pages += p.out[i].run.N
-		i++
-	}
-	batch = append(batch, p.out[:i]...)
-	n := copy(p.out, p.out[i:])
-	clear(p.out[n:])
-	p.out = p.out[:n]
+	batch = append(batch, p.out...)
+	clear(p.out)
+	p.out = reuse(p.out)
 	return batch
 }
 
+// pushDecodeWaiting stores and settles the decode answers waiting, if any,
+// with dsc: a prefill batch's pusher calls it between its stores.
+func (p *Prefetcher) pushDecodeWaiting(dsc *pushScratch) {
+	p.omu.Lock()
+	if len(p.outDecode) == 0 {
+		p.omu.Unlock()
+		return
+	}
+	batch := p.takeLocked(dsc.batch[:0])
+	p.omu.Unlock()
+	p.pushPart(batch, dsc, nil)
+	clear(batch)
+	dsc.batch = reuse(batch)
+}
+
 // pushPart stores, confirms and settles answers, adjacent pages in one store.
-func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
+// dsc, when not nil, is the scratch for decode answers that arrive
+// meanwhile: they are stored and settled between this batch's stores.
+func (p *Prefetcher) pushPart(batch []outcome, sc, dsc *pushScratch) {
 	if len(batch) == 0 {
 		return
 	}
@@ -176,6 +189,9 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 		r := cache.Run{Table: o.run.Table, First: o.run.First, N: n}
 		done = append(done, settled{r, p.store(r, data), o.fetched})
 		i = j
+		if dsc != nil {
+			p.pushDecodeWaiting(dsc)
+		}
 	}
 	p.settle(done, sc)
 	sc.done = reuse(done)
