@@ -109,6 +109,9 @@ func (r *Report) writeServe(w io.Writer) {
 	sp := s.Spec
 	fmt.Fprintf(w, "\nserving loop: %d requests, each %d prefill chunks of %d rows a layer (%.0f%% from the far tail) then %d decode steps of %d Zipf(s=%.2g) lookups a layer; compute %v a chunk (the next chunk prefetched meanwhile), %v a step\n",
 		sp.Requests, sp.Chunks, sp.ChunkRows, 100*sp.RareFraction, sp.Steps, sp.StepRows, sp.S, s.Compute, s.DecodeCompute)
+	if s.DecodeOverlap {
+		fmt.Fprintln(w, "decode overlap: engramfs+hints gathers each step right after its hints and reads the barrier after the gather (hints + barrier: the hint writes alone)")
+	}
 	if s.Cgroup != "" {
 		fmt.Fprintf(w, "memory: the ranks and the daemon in a %s; daemon --cache-size %s\n", s.Cgroup, s.CacheSize)
 	} else {
