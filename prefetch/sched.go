@@ -296,17 +296,7 @@ func (c *core) admit(b *Barrier, seq uint64, runs []pageRun, decode, admitDecode
 		for skip := total - c.cfg.prefillPages; skip > 0; {
 			r := &runs[0]
 			k := min(uint64(skip), r.n)
-			for pg := r.first; pg < r.first+k; pg++ {
-				if c.waiting(b, cache.PageKey{Table: r.table, Page: pg}) {
-					continue // pending for b already: it settles, and counts, as it will
-				}
-				b.status.Pages++
-				b.status.Dropped++
-				c.dropped++
-				if c.onDrop != nil {
-					c.onDrop(r.table, pg, 1)
-				}
-			}
+			c.dropUnqueued(b, r.table, r.first, k)
 			r.first += k
 			r.n -= k
 			skip -= int(k)
@@ -357,6 +347,34 @@ func (c *core) admit(b *Barrier, seq uint64, runs []pageRun, decode, admitDecode
 			n = 0
 		}
 		flush()
+	}
+}
+
+// dropUnqueued counts pages [first, first+n) of table, cut off a prefill
+// submission of b before they were queued, as dropped, but for those b
+// waits for already (they settle, and count, as they will). A handle that
+// waits for nothing, as a fresh oversize frame's, is counted a run at a
+// time: no page lookups under the lock for a 4M-row frame.
+func (c *core) dropUnqueued(b *Barrier, table uint32, first, n uint64) {
+	if len(b.open) == 0 {
+		b.status.Pages += n
+		b.status.Dropped += n
+		c.dropped += n
+		if c.onDrop != nil {
+			c.onDrop(table, first, n)
+		}
+		return
+	}
+	for pg := first; pg < first+n; pg++ {
+		if c.waiting(b, cache.PageKey{Table: table, Page: pg}) {
+			continue
+		}
+		b.status.Pages++
+		b.status.Dropped++
+		c.dropped++
+		if c.onDrop != nil {
+			c.onDrop(table, pg, 1)
+		}
 	}
 }
 
