@@ -50,6 +50,7 @@ func (p *Prefetcher) claimAndFetch() {
 			// 150 ms in the serving loop).
 			budget := min(p.cfg.InflightPages-p.c.inflight, p.unstoredBound()-p.c.inflight-p.c.unstored)
 			decode, prefill = p.c.next(budget)
+			p.publishLocked() // a throttled handle's pages drop as they are claimed
 		}
 		p.mu.Unlock()
 		if len(decode)+len(prefill) == 0 {

@@ -534,6 +534,10 @@ func (p *Prefetcher) publishLocked() {
 		p.st.PrefetchPagesDropped.Add(p.c.dropped)
 		p.c.dropped = 0
 	}
+	if p.c.throttledDrops > 0 {
+		p.st.PrefetchPagesThrottled.Add(p.c.throttledDrops)
+		p.c.throttledDrops = 0
+	}
 }
 
 // modelTable returns the model's table id, or nil.

@@ -268,17 +268,21 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 	}
 	p.mu.Lock()
 	freed := false
+	var checks []throttleCheck
 	for _, d := range done {
 		if d.fetched {
 			p.c.stored(d.run)
 			freed = true
 			if d.o == Resident {
-				p.markPushed(d.run)
+				checks = p.markPushed(d.run, checks)
 			}
 		}
 		p.c.settle(d.run.Table, d.run.First, d.run.N, d.o)
 	}
 	p.mu.Unlock()
+	if len(checks) > 0 {
+		p.throttle(checks)
+	}
 	if freed {
 		p.wakeFetch()
 	}
@@ -288,12 +292,73 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 // markPushed marks the pages of run r, just stored, as pushed: a fault on
 // one before the next counts as a push evicted before use. A page a reader
 // faulted while its fetch was in flight is not marked: that reader used it.
+// It returns checks with the handles that want their first pushed prefill
+// page looked up (every throttleCheckPages pages pushed for them).
 //
 // REQUIRES(p.mu)
-func (p *Prefetcher) markPushed(r cache.Run) {
+func (p *Prefetcher) markPushed(r cache.Run, checks []throttleCheck) []throttleCheck {
 	for pg := r.First; pg < r.First+r.N; pg++ {
-		if s := p.c.pages.get(r.Table, pg); s != nil && !s.faulted {
-			p.markBits(p.pushed, r.Table, pg, 1)
+		s := p.c.pages.get(r.Table, pg)
+		if s == nil || s.faulted {
+			continue
 		}
+		p.markBits(p.pushed, r.Table, pg, 1)
+		if s.decode {
+			continue
+		}
+		k := cache.PageKey{Table: r.Table, Page: pg}
+		checks = pushedFor(s.first.b, k, checks)
+		for _, l := range s.more {
+			checks = pushedFor(l.b, k, checks)
+		}
+	}
+	return checks
+}
+
+// throttleCheckPages: a handle's first pushed prefill page is looked up
+// once per this many pages pushed for it since its last barrier (a
+// mincore call, ~1 µs).
+const throttleCheckPages = 1024
+
+// throttleCheck is a handle whose first pushed page to look up.
+type throttleCheck struct {
+	b *Barrier
+	k cache.PageKey
+}
+
+// pushedFor counts page k as pushed for b.
+//
+// REQUIRES(p.mu)
+func pushedFor(b *Barrier, k cache.PageKey, checks []throttleCheck) []throttleCheck {
+	if b.pushedSince == 0 {
+		b.pushedFirst = k
+	}
+	if b.pushedSince++; b.pushedSince%throttleCheckPages == 0 && !b.throttled {
+		checks = append(checks, throttleCheck{b, b.pushedFirst})
+	}
+	return checks
+}
+
+// throttle looks up the first pushed page of each check's handle: evicted
+// before its barrier returned, the handle's prefill work is more than the
+// page cache holds, and every further page it pushed would evict one it
+// pushed before its reader got there (issue 24: a prefill larger than
+// memory read 90% of its pushed pages again). The rest of its prefill work
+// drops instead (core.claim; counted dropped, and in
+// prefetch_pages_throttled): its reader faults those pages, one read each.
+func (p *Prefetcher) throttle(checks []throttleCheck) {
+	if p.hot == nil {
+		return
+	}
+	var vec [1]byte
+	for _, c := range checks {
+		if !p.hot.ResidentRun(c.k.Table, c.k.Page, 1, vec[:]) || vec[0]&1 != 0 {
+			continue // cannot tell, or still there
+		}
+		p.mu.Lock()
+		if c.b.pushedSince > 0 && c.b.pushedFirst == c.k { // not a new barrier since
+			c.b.throttled = true
+		}
+		p.mu.Unlock()
 	}
 }

@@ -2,6 +2,7 @@ package prefetch
 
 import (
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -312,5 +313,62 @@ func TestPushedPageFaultedCountsAsEvicted(t *testing.T) {
 	p2.Faulted([]cache.PageKey{key(5)})
 	if got := st2.PrefetchPushedEvicted.Load(); got != 0 {
 		t.Fatalf("prefetch_pushed_evicted %d after a late fault, want 0", got)
+	}
+}
+
+// evictingTier is a recordingTier whose pages are in the page cache or not
+// as resident says, whatever was pushed: the page cache of a node whose
+// memory a prefill frame overruns, or of one that holds it.
+type evictingTier struct {
+	recordingTier
+	resident atomic.Bool
+}
+
+func (e *evictingTier) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
+	for i := range n {
+		vec[i] = 0
+		if e.resident.Load() {
+			vec[i] = 1
+		}
+	}
+	return true
+}
+
+// A prefill frame larger than the page cache holds is throttled once the
+// first page pushed for it has been evicted before its barrier returned:
+// the rest drops (its reader faults it, one read a page) instead of being
+// pushed and evicted in turn (issue 24: a prefill larger than memory read
+// 90% of its pushed pages again). A handle whose pushes stay is never
+// throttled, and a barrier ends the throttle.
+func TestPrefillThrottledOnceItsPushesAreEvicted(t *testing.T) {
+	m := testModel(t, 4000)
+	var rows []uint64
+	for r := range uint64(3000) {
+		rows = append(rows, r)
+	}
+	for _, evicted := range []bool{false, true} {
+		hot := &evictingTier{}
+		p, st, _ := newTestPrefetcher(t, m, hot, Config{InflightPages: 16, Pushers: 1, PrefillQueuePages: 1 << 16, DecodeQueuePages: 1 << 16})
+		b := NewBarrier()
+		p.Submit(hints.Prefill, 0, rows, b) // nothing cached when it is looked up
+		hot.resident.Store(!evicted)        // the pushes stay, or leave
+		s, err := b.Status(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.Pages != 3000 || s.Resident+s.Dropped != s.Pages || st.PrefetchPagesThrottled.Load() != s.Dropped {
+			t.Fatalf("evicted %v: status %+v, %d counted throttled", evicted, s, st.PrefetchPagesThrottled.Load())
+		}
+		switch {
+		case !evicted && s.Dropped != 0:
+			t.Fatalf("pushes that stay: %d pages dropped, want none", s.Dropped)
+		case evicted && (s.Resident < throttleCheckPages || s.Dropped < 3000-2*throttleCheckPages):
+			t.Fatalf("pushes evicted: %d pushed, %d dropped; want the first %d pushed and most of the rest dropped", s.Resident, s.Dropped, throttleCheckPages)
+		}
+		// The barrier ended the throttle.
+		p.Submit(hints.Prefill, 1, rows[:10], b)
+		if s, err := b.Status(t.Context()); err != nil || s.Dropped != 0 || s.Resident != 10 {
+			t.Fatalf("evicted %v: after the barrier, status %+v (%v), want 10 resident", evicted, s, err)
+		}
 	}
 }

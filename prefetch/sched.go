@@ -215,6 +215,7 @@ type core struct {
 
 	// Tallies for the counters (the Prefetcher publishes them).
 	queued, dropped uint64
+	throttledDrops  uint64 // of dropped: for throttled handles (Barrier.throttled)
 	// onDrop hears of dropped pages (per-layer counters, the hint
 	// accuracy bitmap); may be nil.
 	onDrop func(table uint32, first, n uint64)
@@ -395,6 +396,20 @@ func (c *core) enqueue(b *Barrier, r run, decode bool) {
 	c.prefill.push(r)
 }
 
+// throttled reports whether every handle waiting for the page is
+// throttled: its pushes are being evicted before its barrier returns.
+func (s *pageState) throttled() bool {
+	if s.first.b == nil || !s.first.b.throttled {
+		return false
+	}
+	for _, l := range s.more {
+		if !l.b.throttled {
+			return false
+		}
+	}
+	return true
+}
+
 // linked reports whether b waits for the page.
 func (s *pageState) linked(b *Barrier) bool {
 	if s.first.b == b {
@@ -496,6 +511,16 @@ func (c *core) claim(out []cache.Run, q *runFIFO, r run, budget int, decode bool
 		}
 		s := c.pages.get(r.table, pg)
 		if s == nil || s.gen > r.id || s.stage != stQueued {
+			continue
+		}
+		if !decode && !s.decode && s.throttled() {
+			c.pages.del(r.table, pg)
+			c.dropped++
+			c.throttledDrops++
+			if c.onDrop != nil {
+				c.onDrop(r.table, pg, 1)
+			}
+			s.settle(Dropped)
 			continue
 		}
 		s.stage = stInflight

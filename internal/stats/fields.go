@@ -217,6 +217,9 @@ var Fields = []Field{
 	{"prefetch_pushed_evicted", Counter, "pages", GroupPrefill, "pushed pages evicted before their reader came",
 		"Pages a hint pushed into the page cache that a FUSE read then asked for before any new hint named them: the page cache evicted them before their reader got there (or after it had read them once, and it came back unhinted). Each is a second backing read of a page the prefetch read.",
 		"prefetch_pushed_evicted_total"},
+	{"prefetch_pages_throttled", Counter, "pages", GroupPrefill, "prefill dropped: the handle's pushes evicted",
+		"Of prefetch_pages_dropped, the prefill pages dropped unfetched because the first page pushed for their handle since its last barrier had left the page cache before that barrier returned, so the handle's prefill work was more than the page cache holds and its reader faults these pages instead (one read each, not a push evicted and a read again).",
+		"prefetch_pages_throttled_total"},
 
 	{"warm_pages_total", Gauge, "pages", GroupWarm, "saved hot pages to fetch again",
 		"Pages of the saved hot set that the warm restart fetches again (0 without a state file).",

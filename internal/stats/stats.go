@@ -77,6 +77,7 @@ type Counters struct {
 	// their pages cached, pushes evicted before their reader came.
 	PrefetchDecodePagesCached atomic.Uint64
 	PrefetchPushedEvicted     atomic.Uint64
+	PrefetchPagesThrottled    atomic.Uint64
 
 	// Warm restart (warm).
 	WarmPagesTotal atomic.Uint64
@@ -187,6 +188,7 @@ type Snapshot struct {
 
 	PrefetchDecodePagesCached uint64 `json:"prefetch_decode_pages_cached"`
 	PrefetchPushedEvicted     uint64 `json:"prefetch_pushed_evicted"`
+	PrefetchPagesThrottled    uint64 `json:"prefetch_pages_throttled"`
 
 	WarmPagesTotal uint64 `json:"warm_pages_total"`
 	WarmPagesDone  uint64 `json:"warm_pages_done"`
@@ -255,6 +257,7 @@ func (c *Counters) Snapshot() Snapshot {
 
 		PrefetchDecodePagesCached: c.PrefetchDecodePagesCached.Load(),
 		PrefetchPushedEvicted:     c.PrefetchPushedEvicted.Load(),
+		PrefetchPagesThrottled:    c.PrefetchPagesThrottled.Load(),
 
 		WarmPagesTotal: c.WarmPagesTotal.Load(),
 		WarmPagesDone:  c.WarmPagesDone.Load(),
