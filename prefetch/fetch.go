@@ -48,7 +48,7 @@ func (p *Prefetcher) claimAndFetch() {
 			// the store made the disk wait for the pusher and the pusher
 			// for the disk (a prefill chunk's wait went from 0.4 to
 			// 150 ms in the serving loop).
-			budget := min(p.cfg.InflightPages-p.c.inflight, p.unstoredBound()-p.c.inflight-p.c.unstored)
+			budget := min(p.cfg.InflightPages-p.c.inflight, p.unstoredBound()-p.c.inflight-int(p.unstored.Load()))
 			decode, prefill = p.c.next(budget)
 			p.publishLocked() // a throttled handle's pages drop as they are claimed
 		}
@@ -72,11 +72,12 @@ func (p *Prefetcher) claimAndFetch() {
 // on the read engine's completion goroutine (or inside Fetch) and must not
 // block: it returns the read budget, queues the answer for the pushers,
 // decode answers on their own queue, and wakes both loops. The pages stay
-// in the pushers' backlog until their store has landed (settle).
+// in the pushers' backlog (unstored) until their store has landed.
 func (p *Prefetcher) fetched(r cache.Run, pages [][]byte, err error, decode bool) {
 	p.mu.Lock()
 	p.c.answered(r)
 	p.mu.Unlock()
+	p.unstored.Add(int64(r.N))
 	o := outcome{run: r, pages: pages, err: err, decode: decode, fetched: true}
 	p.omu.Lock()
 	if decode {

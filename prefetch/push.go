@@ -166,6 +166,7 @@ func (p *Prefetcher) pushPart(batch []outcome, sc, dsc *pushScratch) {
 		case o.err != nil:
 			p.st.PrefetchPagesFailed.Add(o.run.N)
 			done = append(done, settled{o.run, Failed, o.fetched})
+			p.landed(o.run.N)
 			i++
 			continue
 		}
@@ -188,6 +189,7 @@ func (p *Prefetcher) pushPart(batch []outcome, sc, dsc *pushScratch) {
 		}
 		r := cache.Run{Table: o.run.Table, First: o.run.First, N: n}
 		done = append(done, settled{r, p.store(r, data), o.fetched})
+		p.landed(n)
 		i = j
 		if dsc != nil {
 			p.pushDecodeWaiting(dsc)
@@ -271,7 +273,6 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 	var checks []throttleCheck
 	for _, d := range done {
 		if d.fetched {
-			p.c.stored(d.run)
 			freed = true
 			if d.o == Resident {
 				checks = p.markPushed(d.run, checks)
@@ -361,4 +362,11 @@ func (p *Prefetcher) throttle(checks []throttleCheck) {
 		}
 		p.mu.Unlock()
 	}
+}
+
+// landed takes n answered pages off the pushers' backlog (their store
+// landed or failed) and lets the fetch loop claim again.
+func (p *Prefetcher) landed(n uint64) {
+	p.unstored.Add(-int64(n))
+	p.wakeFetch()
 }

@@ -204,9 +204,6 @@ type core struct {
 	// inflight is the number of pages handed to the loader and not yet
 	// answered; inflightDecode, those of them claimed by decode runs.
 	inflight, inflightDecode int
-	// unstored is the number of pages answered and not yet settled (their
-	// store has not landed): the pushers' backlog.
-	unstored int
 
 	// decodeWanted counts the pages decode work named that have not
 	// settled; decodeIdle, when not nil, is closed when it drops to 0.
@@ -546,10 +543,9 @@ func (c *core) claim(out []cache.Run, q *runFIFO, r run, budget int, decode bool
 }
 
 // answered returns the pages of r to the in-flight budget: the loader
-// answered them. They wait for a pusher now (stored).
+// answered them. They wait for a pusher now (Prefetcher.unstored).
 func (c *core) answered(r cache.Run) {
 	c.inflight -= int(r.N)
-	c.unstored += int(r.N)
 	for pg := r.First; pg < r.First+r.N; pg++ {
 		if s := c.pages.get(r.Table, pg); s != nil && s.claimedDecode {
 			s.claimedDecode = false
@@ -557,10 +553,6 @@ func (c *core) answered(r cache.Run) {
 		}
 	}
 }
-
-// stored takes the pages of r, answered, off the pushers' backlog: their
-// store has landed or failed.
-func (c *core) stored(r cache.Run) { c.unstored -= int(r.N) }
 
 // admissions reports which of pages [first, first+n) of table are to be
 // offered to the hot tier as decode work (true) or as prefill work. A page a
