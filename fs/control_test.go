@@ -372,8 +372,8 @@ func readBarrier(t *testing.T, tr *tree, node, fh uint64) map[string]uint64 {
 			}
 		}
 	})
-	if !slices.Equal(keys, []string{"dropped", "failed", "frames", "pages", "pinned", "resident"}) {
-		t.Fatalf("barrier fields %v, want dropped failed frames pages pinned resident", keys)
+	if !slices.Equal(keys, []string{"cached", "dropped", "failed", "frames", "pages", "pinned", "resident"}) {
+		t.Fatalf("barrier fields %v, want cached dropped failed frames pages pinned resident", keys)
 	}
 	return st
 }

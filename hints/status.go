@@ -16,6 +16,10 @@ type Status struct {
 	Dropped  uint64 `json:"dropped"`  // prefill pages dropped from a full queue (never decode)
 	Failed   uint64 `json:"failed"`   // the backing read or the page cache store failed
 
+	// Cached is the part of Resident that was in the page cache already
+	// when the hint came (not pinned, not read or stored again).
+	Cached uint64 `json:"cached"`
+
 	// Error says what went wrong since the previous barrier, absent when
 	// nothing did: the reason of the handle's last rejected frame (its write
 	// failed with EINVAL, which carries no text), then "pages failed: " and

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"slices"
 	"sync/atomic"
+
+	"github.com/engramfs/engramfs/cache"
 )
 
 // Barrier is one stream of hints (one control-file handle, or one warm-up
@@ -34,6 +36,14 @@ type Barrier struct {
 	room      chan struct{}
 	roomBelow int
 	released  bool // Release dropped its queued work: nothing more waits
+
+	// The prefill pages pushed for this handle since its last barrier: the
+	// first of them, and how many. Once the first is evicted before the
+	// barrier returns, the handle is throttled: the rest of its prefill
+	// work drops instead of evicting what it pushed (push.go, throttle).
+	pushedFirst cache.PageKey
+	pushedSince uint64
+	throttled   bool
 }
 
 // NewBarrier returns a barrier with nothing pending.
@@ -84,6 +94,7 @@ func (b *Barrier) Status(ctx context.Context) (Status, error) {
 	}
 	st := b.status
 	b.status = Status{}
+	b.pushedSince, b.throttled = 0, false
 	p.mu.Unlock()
 	return st, nil
 }

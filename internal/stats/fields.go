@@ -220,6 +220,16 @@ var Fields = []Field{
 		"Queued hinted pages (prefill or decode) dropped unfetched because every control-file handle that asked for them was closed (its process ended or was killed).",
 		"prefetch_pages_released_total"},
 
+	{"prefetch_decode_pages_cached", Counter, "pages", GroupPrefill, "decode-hinted pages already cached: not fetched",
+		"Of prefetch_pages_cached, the pages decode hints named: in the page cache already (a reader faulted them, or an earlier hint pushed them), not pinned, so neither read nor stored again.",
+		"prefetch_decode_pages_cached_total"},
+	{"prefetch_pushed_evicted", Counter, "pages", GroupPrefill, "pushed pages evicted before their reader came",
+		"Pages a hint pushed into the page cache that a FUSE read then asked for before any new hint named them: the page cache evicted them before their reader got there (or after it had read them once, and it came back unhinted). Each is a second backing read of a page the prefetch read.",
+		"prefetch_pushed_evicted_total"},
+	{"prefetch_pages_throttled", Counter, "pages", GroupPrefill, "prefill dropped: the handle's pushes evicted",
+		"Of prefetch_pages_dropped, the prefill pages dropped unfetched because the first page pushed for their handle since its last barrier had left the page cache before that barrier returned, so the handle's prefill work was more than the page cache holds and its reader faults these pages instead (one read each, not a push evicted and a read again).",
+		"prefetch_pages_throttled_total"},
+
 	{"warm_pages_total", Gauge, "pages", GroupWarm, "saved hot pages to fetch again",
 		"Pages of the saved hot set that the warm restart fetches again (0 without a state file).",
 		"warm_pages"},

@@ -78,6 +78,11 @@ type Counters struct {
 	PrefetchPagesFailed  atomic.Uint64
 
 	PrefetchPagesReleased atomic.Uint64
+	// Prefetch in the serving loop (prefetch): decode hints that found
+	// their pages cached, pushes evicted before their reader came.
+	PrefetchDecodePagesCached atomic.Uint64
+	PrefetchPushedEvicted     atomic.Uint64
+	PrefetchPagesThrottled    atomic.Uint64
 
 	// Warm restart (warm).
 	WarmPagesTotal atomic.Uint64
@@ -189,7 +194,10 @@ type Snapshot struct {
 	PrefetchLateServed   uint64 `json:"prefetch_late_served"`
 	PrefetchPagesFailed  uint64 `json:"prefetch_pages_failed"`
 
-	PrefetchPagesReleased uint64 `json:"prefetch_pages_released"`
+	PrefetchPagesReleased     uint64 `json:"prefetch_pages_released"`
+	PrefetchDecodePagesCached uint64 `json:"prefetch_decode_pages_cached"`
+	PrefetchPushedEvicted     uint64 `json:"prefetch_pushed_evicted"`
+	PrefetchPagesThrottled    uint64 `json:"prefetch_pages_throttled"`
 
 	WarmPagesTotal uint64 `json:"warm_pages_total"`
 	WarmPagesDone  uint64 `json:"warm_pages_done"`
@@ -259,7 +267,10 @@ func (c *Counters) Snapshot() Snapshot {
 		PrefetchLateServed:   c.PrefetchLateServed.Load(),
 		PrefetchPagesFailed:  c.PrefetchPagesFailed.Load(),
 
-		PrefetchPagesReleased: c.PrefetchPagesReleased.Load(),
+		PrefetchPagesReleased:     c.PrefetchPagesReleased.Load(),
+		PrefetchDecodePagesCached: c.PrefetchDecodePagesCached.Load(),
+		PrefetchPushedEvicted:     c.PrefetchPushedEvicted.Load(),
+		PrefetchPagesThrottled:    c.PrefetchPagesThrottled.Load(),
 
 		WarmPagesTotal: c.WarmPagesTotal.Load(),
 		WarmPagesDone:  c.WarmPagesDone.Load(),
