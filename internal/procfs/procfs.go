@@ -1,5 +1,6 @@
 // Package procfs is the one reader of /proc for engramfs's tools and tests:
 // the "Key: N kB" lines of status and smaps_rollup, a process's CPU time,
+// who maps a file (maps),
 // the mount table, and the kernel's vmstat counters. It parses text only;
 // what a number means for engramfs is the caller's business.
 package procfs
