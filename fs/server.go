@@ -71,13 +71,16 @@ const cacheTimeout = 24 * time.Hour
 // Server is the tree of one model, and its mount once Serve has it up.
 type Server struct {
 	root  *root
-	rawFS fuse.RawFileSystem
+	rawFS *sessionFS // the tree's raw file system, with what a handover needs (handover.go)
 	opts  *gofs.Options
 	log   *zap.Logger
 
 	mu         sync.Mutex
 	srv        *fuse.Server // GUARDED_BY(mu); nil before Serve
 	mountpoint string       // GUARDED_BY(mu)
+	dev        *os.File     // GUARDED_BY(mu): the connection's /dev/fuse, kept for a handover
+
+	handingOver atomic.Bool // set once Handover starts
 
 	// live is non-nil while the mount is up and the daemon holds its table
 	// files open: what Store and Confirm need.
@@ -119,6 +122,11 @@ func New(o Options) (*Server, error) {
 	r.roDir.attr = r.attr(syscall.S_IFDIR|0o755, 0)
 	timeout := cacheTimeout
 	opts := &gofs.Options{
+		// Node IDs are the tree's inode numbers, which root.OnAdd gives
+		// in a fixed order: a successor daemon answers for the node IDs
+		// the kernel already holds (handover.go).
+		ExternalNodeID:  true,
+		RootStableAttr:  &gofs.StableAttr{Ino: fuse.FUSE_ROOT_ID},
 		EntryTimeout:    &timeout,
 		AttrTimeout:     &timeout,
 		NegativeTimeout: &timeout,
@@ -159,8 +167,9 @@ func New(o Options) (*Server, error) {
 		},
 	}
 	// NewNodeFS builds the whole tree now (root.OnAdd).
-	rawFS := gofs.NewNodeFS(r, opts)
-	return &Server{root: r, rawFS: rawFS, opts: opts, log: o.Log}, nil
+	s := &Server{root: r, rawFS: newSessionFS(gofs.NewNodeFS(r, opts)), opts: opts, log: o.Log}
+	opts.MountOptions.Logger = newGoFuseLogger(s)
+	return s, nil
 }
 
 // Connect wires the receivers: control-file frames go to hints, and every
@@ -194,12 +203,13 @@ func (s *Server) Serve(mountpoint string) error {
 	if err := checkMountpoint(mountpoint, s.log); err != nil {
 		return err
 	}
-	srv, err := fuse.NewServer(s.rawFS, mountpoint, &s.opts.MountOptions)
+	srv, err := s.mountDev(mountpoint)
 	if err != nil {
 		return fmt.Errorf("mount %s: %w", mountpoint, err)
 	}
 	go srv.Serve()
 	fail := func(err error) error {
+		defer s.closeDevLocked()
 		if uerr := unmount(srv, mountpoint, s.log); uerr != nil {
 			s.log.Error("unmounting a mount that failed to start", zap.String("mountpoint", mountpoint), zap.Error(uerr))
 		}
@@ -208,23 +218,34 @@ func (s *Server) Serve(mountpoint string) error {
 	if err := srv.WaitMount(); err != nil {
 		return fail(err)
 	}
+	live, err := s.goLive(mountpoint)
+	if err != nil {
+		return fail(err)
+	}
+	s.srv, s.mountpoint = srv, mountpoint
+	s.live.Store(live)
+	return nil
+}
+
+// goLive checks that the mount answers, through the kernel, and opens the
+// daemon's own view of every table file (liveMount).
+func (s *Server) goLive(mountpoint string) (*liveMount, error) {
+	pollHack(mountpoint)
 	// Serving means a reader can use the tree: check it answers, through
 	// the kernel, before saying so.
 	if _, err := os.ReadFile(filepath.Join(mountpoint, ManifestFile)); err != nil {
-		return fail(fmt.Errorf("the new mount does not answer: %w", err))
+		return nil, fmt.Errorf("the new mount does not answer: %w", err)
 	}
 	live := &liveMount{}
 	for id := range s.root.tables {
 		f, err := os.Open(mountedPath(mountpoint, s.root.o.Model.Tables[id]))
 		if err != nil {
 			live.close()
-			return fail(fmt.Errorf("looking up the table files: %w", err))
+			return nil, fmt.Errorf("looking up the table files: %w", err)
 		}
 		live.files = append(live.files, f)
 	}
-	s.srv, s.mountpoint = srv, mountpoint
-	s.live.Store(live)
-	return nil
+	return live, nil
 }
 
 // close closes the daemon's own opens of the table files.
@@ -298,12 +319,13 @@ func (s *Server) Unmount() error {
 	if srv == nil {
 		return nil
 	}
+	defer s.closeDev()
 	return unmount(srv, mp, s.log)
 }
 
 // unmount unmounts srv from mountpoint, lazily when it is busy.
 func unmount(srv *fuse.Server, mountpoint string, log *zap.Logger) error {
-	err := srv.Unmount()
+	err := unmountServer(srv, mountpoint)
 	if err == nil {
 		return nil
 	}

@@ -1,0 +1,187 @@
+package fs
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/cache"
+	"github.com/engramfs/engramfs/hints"
+	"github.com/engramfs/engramfs/internal/testenv"
+)
+
+// A second server of the same model takes a live mount over: a reader that
+// keeps reading sees no error, a mapping made before the handover faults
+// its cold pages in with the right bytes from the successor (same node
+// IDs), handles opened before it (stats, control) keep working (same
+// handle numbers), and the successor unmounts as a daemon that mounted.
+func TestHandoverKeepsTheSession(t *testing.T) {
+	testenv.RequireFUSE(t)
+	old, m, loader, st := newTestServer(t)
+	old.Connect(nil, nil)
+	mp := t.TempDir()
+	var before unix.Stat_t
+	if err := unix.Stat(mp, &before); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Serve(mp); err != nil {
+		t.Fatal(err)
+	}
+	succ, err := New(Options{Model: m, Loader: loader, Stats: st, Log: zaptest.NewLogger(t, zaptest.Level(zap.WarnLevel))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	succ.Connect(nil, nil)
+	serving := old
+	t.Cleanup(func() { _ = serving.Unmount() })
+
+	// Before: a mapping of the last table, none of its data pages touched;
+	// a stats handle and a control handle open.
+	tb := m.Tables[len(m.Tables)-1]
+	tf, err := os.Open(filepath.Join(mp, tb.Path()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tf.Close()
+	mapped, err := unix.Mmap(int(tf.Fd()), 0, int(tb.FileSize), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mapped)
+	statsF, err := os.Open(filepath.Join(mp, ControlDir, StatsFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer statsF.Close()
+	ctl, err := os.OpenFile(filepath.Join(mp, ControlDir, ControlFile), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ctl.Close()
+	frame := hints.AppendBinary(nil, hints.Decode, m.Layers[0], []uint64{1, 2})
+	if _, err := ctl.Write(frame); err != nil {
+		t.Fatalf("control write before the handover: %v", err)
+	}
+
+	// A reader that never stops: every round opens and reads the stats
+	// file (direct I/O: every read reaches a daemon) and the manifest.
+	var (
+		stop   atomic.Bool
+		rounds atomic.Int64
+		errs   []error
+		mu     sync.Mutex
+		wg     sync.WaitGroup
+	)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for !stop.Load() {
+			for _, p := range []string{filepath.Join(mp, ControlDir, StatsFile), filepath.Join(mp, ManifestFile)} {
+				if _, err := os.ReadFile(p); err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+				}
+			}
+			rounds.Add(1)
+		}
+	}()
+	for rounds.Load() < 20 {
+		time.Sleep(time.Millisecond)
+	}
+
+	dev, sess, err := old.Handover(2 * time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(sess.Handles) < 2 {
+		t.Fatalf("session lists %v: want at least the stats and control handles", sess.Handles)
+	}
+	if err := succ.TakeOver(mp, dev, sess, false); err != nil {
+		t.Fatal(err)
+	}
+	serving = succ
+	if !old.Finish(5 * time.Second) {
+		t.Fatal("the old server still has requests in flight 5 s after the handover")
+	}
+	old.Release()
+	after := rounds.Load()
+	deadline := time.Now().Add(30 * time.Second)
+	for rounds.Load() < after+20 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the reader made %d rounds in 30 s after the takeover", rounds.Load()-after)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	stop.Store(true)
+	wg.Wait()
+	if len(errs) > 0 {
+		t.Fatalf("the reader saw %d errors across the handover, first: %v", len(errs), errs[0])
+	}
+
+	// The mapping's cold pages come from the successor, right bytes. They
+	// are touched from inside a system call (pwrite from the mapping): a
+	// goroutine faulting on its own process's FUSE mapping holds its P, and
+	// a garbage collection waiting for it stops the daemon that would serve
+	// the fault (seen under -race).
+	scratch, err := os.CreateTemp(t.TempDir(), "page")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer scratch.Close()
+	got := make([]byte, cache.PageSize)
+	for p := tb.DataPage(); p < tb.Pages(); p++ {
+		off := int64(p) * cache.PageSize
+		pages, err := loader.Load(tb.ID, p, 1, cache.OriginFault)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := pages[0]
+		if _, err := scratch.WriteAt(mapped[off:off+int64(len(want))], 0); err != nil {
+			t.Fatalf("page %d through the old mapping: %v", p, err)
+		}
+		if _, err := scratch.ReadAt(got[:len(want)], 0); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got[:len(want)], want) {
+			t.Fatalf("page %d of %s through the old mapping: wrong bytes after the handover", p, tb.Name)
+		}
+	}
+	// The handles opened before the handover still work.
+	if _, err := statsF.Read(make([]byte, 1<<16)); err != nil {
+		t.Fatalf("stats handle opened before the handover: %v", err)
+	}
+	if _, err := ctl.Write(frame); err != nil {
+		t.Fatalf("control handle opened before the handover: %v", err)
+	}
+	// A handle the successor never heard of is EBADF, not a panic (EIO).
+	succ.rawFS.mu.Lock()
+	for fh := range succ.rawFS.handles {
+		delete(succ.rawFS.handles, fh)
+	}
+	succ.rawFS.mu.Unlock()
+	if _, err := ctl.Write(frame); !errors.Is(err, unix.EBADF) {
+		t.Fatalf("control write on a handle the daemon does not know: %v, want EBADF", err)
+	}
+
+	if err := succ.Unmount(); err != nil {
+		t.Fatalf("the successor's unmount: %v", err)
+	}
+	serving = old // released: its Unmount does nothing
+	var gone unix.Stat_t
+	if err := unix.Stat(mp, &gone); err != nil {
+		t.Fatal(err)
+	}
+	if gone.Dev != before.Dev {
+		t.Fatalf("after the successor's Unmount the mountpoint is still on device %d", gone.Dev)
+	}
+}
