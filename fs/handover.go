@@ -292,21 +292,36 @@ func setNonblock(f *os.File) error {
 	return serr
 }
 
-// TakeOver serves the live mount at mountpoint through dev, a descriptor of
-// its connection handed over by the daemon that served it (or kept by the
-// service manager), with the open handles sess lists. It reads through a
-// clone of the connection, so dev's blocking mode (its predecessor's) is
-// not its business; dev is not kept. With resend, the kernel is asked to
-// queue again the requests a predecessor read and never answered (one
-// that died). On return the mount is served as after Serve.
-func (s *Server) TakeOver(mountpoint string, dev *os.File, sess Session, resend bool) error {
+// TakeOver serves the live mount at mountpoint, which another daemon
+// serves until handover returns: a descriptor of the connection, from that
+// daemon (it stops reading first) or from the service manager, and the
+// open handles. It reads through a clone of the connection, so the
+// descriptor's blocking mode (its predecessor's) is not its business; dev
+// is not kept. With resend, the kernel is asked to queue again the requests
+// a predecessor read and never answered (one that died). The daemon's own
+// view of the table files is opened first, through the predecessor, so
+// pushes work from the first request on. On return the mount is served as
+// after Serve.
+func (s *Server) TakeOver(mountpoint string, handover func() (*os.File, Session, error), resend bool) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.srv != nil {
 		return fmt.Errorf("take over %s: already serving %s", mountpoint, s.mountpoint)
 	}
+	ready := make(chan struct{})
+	live, err := s.openLive(mountpoint, ready)
+	if err != nil {
+		return fmt.Errorf("take over %s: %w", mountpoint, err)
+	}
+	dev, sess, err := handover()
+	if err != nil {
+		live.close()
+		return fmt.Errorf("take over %s: %w", mountpoint, err)
+	}
+	defer dev.Close()
 	fd, err := cloneDev(dev)
 	if err != nil {
+		live.close()
 		return fmt.Errorf("take over %s: %w", mountpoint, err)
 	}
 	s.registerTree()
@@ -314,25 +329,29 @@ func (s *Server) TakeOver(mountpoint string, dev *os.File, sess Session, resend 
 		// Handles not replayed answer EBADF; clients reopen.
 		s.log.Warn("take over: open handles not carried over", zap.Error(err))
 	}
+	// Pushes wait for ready: go-fuse serves a request (in NewServer)
+	// before it can write anything else to the kernel.
+	s.live.Store(live)
 	// go-fuse reads the first request in NewServer: make sure there is one.
 	go func() { var st unix.Statfs_t; _ = unix.Statfs(mountpoint, &st) }()
 	srv, err := s.serveDev(fd)
 	if err != nil {
+		s.live.Store(nil)
+		live.close()
 		return fmt.Errorf("take over %s: %w", mountpoint, err)
 	}
+	close(ready)
 	go srv.Serve()
+	s.srv, s.mountpoint = srv, mountpoint
 	if resend {
 		if err := notifyResend(s.dev); err != nil {
 			s.log.Warn("take over: asking the kernel to resend unanswered requests failed", zap.Error(err))
 		}
 	}
-	live, err := s.goLive(mountpoint)
-	if err != nil {
-		// The mount is the predecessor's readers': never unmount it here.
-		return fmt.Errorf("take over %s: %w", mountpoint, err)
+	if _, err := os.ReadFile(filepath.Join(mountpoint, ManifestFile)); err != nil {
+		// The mount is the readers': never unmount it here.
+		return fmt.Errorf("take over %s: the mount does not answer: %w", mountpoint, err)
 	}
-	s.srv, s.mountpoint = srv, mountpoint
-	s.live.Store(live)
 	return nil
 }
 

@@ -99,15 +99,22 @@ func TestHandoverKeepsTheSession(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 
-	dev, sess, err := old.Handover(2 * time.Second)
-	if err != nil {
+	var handles []Handle
+	handover := func() (*os.File, Session, error) {
+		dev, sess, err := old.Handover(2 * time.Second)
+		if err != nil {
+			return nil, sess, err
+		}
+		handles = sess.Handles
+		// What a successor process receives: a descriptor of its own.
+		fd, err := unix.Dup(int(dev.Fd()))
+		return os.NewFile(uintptr(fd), "/dev/fuse"), sess, err
+	}
+	if err := succ.TakeOver(mp, handover, false); err != nil {
 		t.Fatal(err)
 	}
-	if len(sess.Handles) < 2 {
-		t.Fatalf("session lists %v: want at least the stats and control handles", sess.Handles)
-	}
-	if err := succ.TakeOver(mp, dev, sess, false); err != nil {
-		t.Fatal(err)
+	if len(handles) < 2 {
+		t.Fatalf("session lists %v: want at least the stats and control handles", handles)
 	}
 	serving = succ
 	if !old.Finish(5 * time.Second) {

@@ -101,7 +101,14 @@ type Server struct {
 // They are closed before unmounting: an open file keeps the mount busy.
 type liveMount struct {
 	files []*os.File // by table ID
+	// ready is closed once go-fuse can write to the kernel for the tree
+	// (its server is built): at once for Serve; a takeover publishes the
+	// mount a moment before, so that no push in between fails (handover.go).
+	ready chan struct{}
 }
+
+// closedReady is the ready of a liveMount published once serving.
+var closedReady = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // New builds the tree of o.Model. Nothing is mounted yet: Connect the
 // receivers of hints and faults, then Serve.
@@ -236,7 +243,12 @@ func (s *Server) goLive(mountpoint string) (*liveMount, error) {
 	if _, err := os.ReadFile(filepath.Join(mountpoint, ManifestFile)); err != nil {
 		return nil, fmt.Errorf("the new mount does not answer: %w", err)
 	}
-	live := &liveMount{}
+	return s.openLive(mountpoint, closedReady)
+}
+
+// openLive opens the daemon's own view of every table file.
+func (s *Server) openLive(mountpoint string, ready chan struct{}) (*liveMount, error) {
+	live := &liveMount{ready: ready}
 	for id := range s.root.tables {
 		f, err := os.Open(mountedPath(mountpoint, s.root.o.Model.Tables[id]))
 		if err != nil {
@@ -359,9 +371,11 @@ func mountedPath(mountpoint string, t *backing.Table) string {
 // folio being read is locked: the store would wait forever). Before Serve,
 // and after Close, it returns ErrNotServing.
 func (s *Server) Store(id uint32, off int64, data []byte) error {
-	if s.live.Load() == nil {
+	live := s.live.Load()
+	if live == nil {
 		return ErrNotServing
 	}
+	<-live.ready
 	if int(id) >= len(s.root.tables) {
 		return fmt.Errorf("table %d: no such table", id)
 	}
@@ -383,6 +397,7 @@ func (s *Server) Confirm(id uint32, off int64) error {
 	if live == nil {
 		return ErrNotServing
 	}
+	<-live.ready
 	if int(id) >= len(live.files) {
 		return fmt.Errorf("table %d: no such table", id)
 	}

@@ -273,41 +273,44 @@ func (d *daemon) takeOver(mountpoint string) error {
 		return fmt.Errorf("--takeover %s: no daemon to take over from: %w", mountpoint, err)
 	}
 	fail := func(err error) error { conn.Close(); return fmt.Errorf("--takeover %s: %w", mountpoint, err) }
-	if err := json.NewEncoder(conn).Encode(handoverMsg{Op: "handover", Pid: os.Getpid()}); err != nil {
-		return fail(err)
-	}
-	_ = conn.SetReadDeadline(time.Now().Add(handoverServing))
-	b := make([]byte, 1)
-	oob := make([]byte, unix.CmsgSpace(3*4))
-	n, oobn, _, _, err := conn.ReadMsgUnix(b, oob)
-	if err != nil {
-		return fail(err)
-	}
-	fds, err := parseRights(oob[:oobn])
-	if err != nil || n != 1 || b[0] != 'F' || len(fds) != 3 {
-		for _, fd := range fds {
-			unix.Close(fd)
-		}
-		// The predecessor explains itself in a JSON line instead.
-		var m handoverMsg
-		if derr := json.NewDecoder(io.MultiReader(bytes.NewReader(b[:n]), conn)).Decode(&m); derr == nil && m.Error != "" {
-			return fail(errors.New(m.Error))
-		}
-		return fail(fmt.Errorf("no descriptor passed (%v)", err))
-	}
-	dev := os.NewFile(uintptr(fds[0]), "/dev/fuse")
-	defer dev.Close()
-	// The logs go on where the predecessor's went.
-	_ = unix.Dup3(fds[1], 1, 0)
-	_ = unix.Dup3(fds[2], 2, 0)
-	unix.Close(fds[1])
-	unix.Close(fds[2])
 	var m handoverMsg
-	if err := json.NewDecoder(io.LimitReader(conn, maxStateBytes)).Decode(&m); err != nil || m.Op != "state" {
-		return fail(fmt.Errorf("reading the state: %v", err))
+	handover := func() (*os.File, fs.Session, error) {
+		if err := json.NewEncoder(conn).Encode(handoverMsg{Op: "handover", Pid: os.Getpid()}); err != nil {
+			return nil, fs.Session{}, err
+		}
+		_ = conn.SetReadDeadline(time.Now().Add(handoverServing))
+		b := make([]byte, 1)
+		oob := make([]byte, unix.CmsgSpace(3*4))
+		n, oobn, _, _, err := conn.ReadMsgUnix(b, oob)
+		if err != nil {
+			return nil, fs.Session{}, err
+		}
+		fds, err := parseRights(oob[:oobn])
+		if err != nil || n != 1 || b[0] != 'F' || len(fds) != 3 {
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			// The predecessor explains itself in a JSON line instead.
+			var m handoverMsg
+			if derr := json.NewDecoder(io.MultiReader(bytes.NewReader(b[:n]), conn)).Decode(&m); derr == nil && m.Error != "" {
+				return nil, fs.Session{}, errors.New(m.Error)
+			}
+			return nil, fs.Session{}, fmt.Errorf("no descriptor passed (%v)", err)
+		}
+		// The logs go on where the predecessor's went.
+		_ = unix.Dup3(fds[1], 1, 0)
+		_ = unix.Dup3(fds[2], 2, 0)
+		unix.Close(fds[1])
+		unix.Close(fds[2])
+		dev := os.NewFile(uintptr(fds[0]), "/dev/fuse")
+		if err := json.NewDecoder(io.LimitReader(conn, maxStateBytes)).Decode(&m); err != nil || m.Op != "state" {
+			dev.Close()
+			return nil, fs.Session{}, fmt.Errorf("reading the state: %v", err)
+		}
+		_ = conn.SetReadDeadline(time.Time{})
+		return dev, m.Session, nil
 	}
-	_ = conn.SetReadDeadline(time.Time{})
-	if err := d.srv.TakeOver(mountpoint, dev, m.Session, false); err != nil {
+	if err := d.srv.TakeOver(mountpoint, handover, false); err != nil {
 		return fail(err)
 	}
 	d.takeoverMS = float64(time.Since(start).Microseconds()) / 1000
