@@ -102,6 +102,10 @@ def _as_u64(rows):
     return memoryview(a).cast('B')
 
 
+# Errors of a handle the daemon no longer knows, while the mount may: the
+# handle is reopened once.
+_STALE = (errno.EBADF, errno.ESTALE, errno.ENOTCONN)
+
 _LIVE = weakref.WeakSet()
 
 
@@ -130,6 +134,19 @@ class Hinter:
         # O_RDWR: reading the handle is the barrier.
         self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         self._pid = os.getpid()
+
+    def _reopen(self):
+        """Replace a handle the daemon no longer knows (EBADF: a successor
+        that took the mount over without it; ESTALE; ENOTCONN: a dead
+        mount, remounted since). Frames sent on the old handle are not
+        waited for by the new one's barrier."""
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        self._fd = None
+        self._open()
+        return self._fd
 
     def _handle(self):
         """The fd of this process's own handle, opened again after a fork."""
@@ -162,7 +179,13 @@ class Hinter:
             try:
                 line = os.read(fd, _STATUS_BYTES)  # EINTR is retried (PEP 475)
             except OSError as e:
-                raise OSError(e.errno, 'hint wait: %s' % e.strerror, self.path) from e
+                if e.errno not in _STALE:
+                    raise OSError(e.errno, 'hint wait: %s' % e.strerror, self.path) from e
+                try:
+                    self._reopen()
+                except OSError as e2:
+                    raise OSError(e.errno, 'hint wait: %s (reopen: %s)' % (e.strerror, e2.strerror), self.path) from e
+                line = b''  # nothing to wait for on the new handle
         if not line:  # nothing sent since the previous barrier
             return {'frames': 0, 'pages': 0, 'resident': 0, 'pinned': 0, 'dropped': 0, 'failed': 0}
         status = json.loads(line)
@@ -200,7 +223,14 @@ class Hinter:
                 chunk = data[start:start + step]
                 header = _HEADER.pack(_MAGIC, cls, 0, layer, len(chunk) // _ROW)
                 try:
-                    self._write_frame(fd, header, chunk)
+                    try:
+                        self._write_frame(fd, header, chunk)
+                    except OSError as e:
+                        if e.errno not in _STALE:
+                            raise
+                        # Nothing of the frame was taken: send it on a new handle.
+                        fd = self._reopen()
+                        self._write_frame(fd, header, chunk)
                 except OSError as e:
                     raise OSError(e.errno, '%s: %s' % (what, e.strerror), self.path) from e
 
