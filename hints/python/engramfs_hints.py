@@ -136,10 +136,11 @@ class Hinter:
         self._pid = os.getpid()
 
     def _reopen(self):
-        """Replace a handle the daemon no longer knows (EBADF: a successor
-        that took the mount over without it; ESTALE; ENOTCONN: a dead
-        mount, remounted since). Frames sent on the old handle are not
-        waited for by the new one's barrier."""
+        """Replace this process's descriptor with a new handle: after a fork
+        (the parent's handle stays the parent's), or when the daemon no
+        longer knows the handle (EBADF: a successor that took the mount over
+        without it; ESTALE; ENOTCONN: a dead mount, remounted since). Frames
+        sent on the old handle are not waited for by the new one's barrier."""
         try:
             os.close(self._fd)
         except OSError:
@@ -153,13 +154,7 @@ class Hinter:
         if self._fd is None:
             raise ValueError('hinter for %s is closed' % self.path)
         if self._pid != os.getpid():
-            # The parent's handle stays the parent's: drop our copy of it.
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
-            self._open()
+            return self._reopen()
         return self._fd
 
     def prefill(self, layer, rows):
