@@ -309,9 +309,14 @@ func (s *Server) TakeOver(mountpoint string, handover func() (*os.File, Session,
 		return fmt.Errorf("take over %s: already serving %s", mountpoint, s.mountpoint)
 	}
 	ready := make(chan struct{})
-	live, err := s.openLive(mountpoint, ready)
-	if err != nil {
-		return fmt.Errorf("take over %s: %w", mountpoint, err)
+	// A dead predecessor serves nothing: its successor opens its files once
+	// it serves (until then a Confirm fails; pushes work).
+	live := &liveMount{ready: ready}
+	if !resend {
+		var err error
+		if live, err = s.openLive(mountpoint, ready); err != nil {
+			return fmt.Errorf("take over %s: %w", mountpoint, err)
+		}
 	}
 	dev, sess, err := handover()
 	if err != nil {
@@ -347,6 +352,11 @@ func (s *Server) TakeOver(mountpoint string, handover func() (*os.File, Session,
 		if err := notifyResend(s.dev); err != nil {
 			s.log.Warn("take over: asking the kernel to resend unanswered requests failed", zap.Error(err))
 		}
+		full, err := s.openLive(mountpoint, closedReady)
+		if err != nil {
+			return fmt.Errorf("take over %s: %w", mountpoint, err)
+		}
+		s.live.Store(full)
 	}
 	if _, err := os.ReadFile(filepath.Join(mountpoint, ManifestFile)); err != nil {
 		// The mount is the readers': never unmount it here.

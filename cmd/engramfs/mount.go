@@ -141,6 +141,8 @@ FUSE directly).`)
 	d.notify(ready)
 	if os.Getenv(readyOnlyEnv) == "1" {
 		os.Unsetenv(sdnotify.SocketEnv)
+	} else {
+		d.storeConnection()
 	}
 	d.tellServing()
 	d.startWarmUp()
@@ -277,6 +279,7 @@ type daemon struct {
 	handover   *handoverListener // nil: no socket (restart.go)
 	handedOver bool              // the mount is the successor's: never unmount it
 	pred       *predecessor      // the daemon taken over from, until this one serves
+	inherited  bool              // the mount was taken over and is not served yet: never unmount it
 	takeoverMS float64           // how long the takeover took (status)
 }
 
@@ -389,6 +392,14 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 			log.Error("takeover failed", zap.Error(err))
 			return nil, err
 		}
+	} else if dev := storedConnection(mountpoint, log); dev != nil {
+		if err := d.srv.TakeOver(mountpoint, func() (*os.File, fs.Session, error) { return dev, fs.Session{}, nil }, true); err != nil {
+			log.Error("taking the mount over from the file descriptor store failed", zap.Error(err))
+			return nil, err
+		}
+		d.inherited = true
+		log.Warn("took the mount over from the service manager's file descriptor store: the previous daemon died; "+
+			"requests it read were sent again, handles it had opened answer EBADF (the clients reopen)", zap.String("mountpoint", mountpoint))
 	} else if err := d.srv.Serve(mountpoint); err != nil {
 		log.Error("mount failed", zap.Error(err))
 		return nil, err
@@ -528,7 +539,7 @@ func (d *daemon) stop(unmount bool) error {
 	case d.srv == nil:
 	case d.handedOver:
 		d.srv.Release() // the successor serves the mount
-	case unmount && d.pred != nil:
+	case unmount && d.inherited:
 		// A takeover that failed: the mount is the predecessor's readers'.
 		d.srv.Release()
 	case unmount:

@@ -29,6 +29,8 @@ import (
 
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/fs"
+	"github.com/engramfs/engramfs/internal/procfs"
+	"github.com/engramfs/engramfs/internal/sdnotify"
 	"github.com/engramfs/engramfs/warm"
 )
 
@@ -322,6 +324,7 @@ func (d *daemon) takeOver(mountpoint string) error {
 		d.warmKeys = keys
 	}
 	d.pred = &predecessor{conn: conn, pid: m.Pid}
+	d.inherited = true
 	d.log.Info("took the mount over", zap.String("mountpoint", mountpoint), zap.Int("predecessor_pid", m.Pid),
 		zap.Int("handles", len(m.Session.Handles)), zap.Int("hot_pages", len(d.warmKeys)),
 		zap.Float64("took_ms", d.takeoverMS))
@@ -331,6 +334,7 @@ func (d *daemon) takeOver(mountpoint string) error {
 // tellServing lets the predecessor go (after the service manager knows
 // this daemon as the main one).
 func (d *daemon) tellServing() {
+	d.inherited = false
 	if d.pred == nil {
 		return
 	}
@@ -451,6 +455,59 @@ func takeoverArgs(args []string) []string {
 		return slices.Clone(args)
 	}
 	return append([]string{"mount", "--takeover"}, args[1:]...)
+}
+
+// fdStoreName names the FUSE connection in systemd's file descriptor store.
+const fdStoreName = "engramfs-fuse"
+
+// storeConnection keeps the mount's FUSE connection in the service
+// manager's file descriptor store (FileDescriptorStoreMax= in the unit):
+// when the daemon dies, the mount stays alive (readers wait instead of
+// getting ENOTCONN or SIGBUS) and the next start takes it over. Without a
+// service manager it does nothing; one that keeps no descriptors ignores
+// it.
+func (d *daemon) storeConnection() {
+	dev := d.srv.Dev()
+	if dev == nil || os.Getenv(sdnotify.SocketEnv) == "" {
+		return
+	}
+	rc, err := dev.SyscallConn()
+	if err != nil {
+		return
+	}
+	_ = sdnotify.Notify("FDSTOREREMOVE=1\nFDNAME=" + fdStoreName)
+	if cerr := rc.Control(func(fd uintptr) {
+		err = sdnotify.NotifyFds("FDSTORE=1\nFDNAME="+fdStoreName, int(fd))
+	}); cerr != nil {
+		err = cerr
+	}
+	if err != nil {
+		d.log.Warn("keeping the FUSE connection in the service manager's file descriptor store failed", zap.Error(err))
+	}
+}
+
+// storedConnection is the FUSE connection of the live engramfs mount at
+// mountpoint that the service manager kept for this start (a predecessor
+// died), or nil.
+func storedConnection(mountpoint string, log *zap.Logger) *os.File {
+	fds := sdnotify.ListenFds(fdStoreName)
+	if len(fds) == 0 {
+		return nil
+	}
+	for _, f := range fds[1:] {
+		f.Close()
+	}
+	abs, _ := filepath.Abs(mountpoint)
+	ms, _ := procfs.Mounts()
+	for _, m := range ms {
+		if m.Point == abs && m.FSType == "fuse.engramfs" {
+			return fds[0]
+		}
+	}
+	log.Info("the service manager kept a FUSE connection, but no engramfs mount is at the mountpoint any more: mounting afresh",
+		zap.String("mountpoint", mountpoint))
+	fds[0].Close()
+	return nil
 }
 
 // notifyMainPID is what a daemon that took over tells the service manager
