@@ -236,6 +236,35 @@ func (s *Server) Handover(drain time.Duration) (*os.File, Session, error) {
 	return dev, s.rawFS.snapshot(), nil
 }
 
+// Resume serves the mount again after a Handover whose successor never
+// took it (it died, or refused): through a clone of the connection, with
+// the same tree, registrations and handles, so the kernel notices nothing
+// but the wait. The descriptor's non-blocking mode stays the old
+// descriptor's; requests still in flight are answered as they finish.
+func (s *Server) Resume() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.dev == nil || s.mountpoint == "" {
+		return errors.New("resume: not serving")
+	}
+	old, mp := s.dev, s.mountpoint
+	fd, err := cloneDev(old)
+	if err != nil {
+		return fmt.Errorf("resume %s: %w", mp, err)
+	}
+	go func() { var st unix.Statfs_t; _ = unix.Statfs(mp, &st) }()
+	srv, err := s.serveDev(fd)
+	if err != nil {
+		return fmt.Errorf("resume %s: %w", mp, err)
+	}
+	_ = old.Close()
+	go srv.Serve()
+	s.srv = srv
+	s.handingOver.Store(false)
+	s.log.Warn("handover: serving the mount again", zap.String("mountpoint", mp))
+	return nil
+}
+
 // Finish waits (at most wait) for the requests this daemon read to be
 // answered, after a Handover; the caller then releases everything but the
 // mount, which the successor serves. It returns false on timeout.

@@ -192,3 +192,45 @@ func TestHandoverKeepsTheSession(t *testing.T) {
 		t.Fatalf("after the successor's Unmount the mountpoint is still on device %d", gone.Dev)
 	}
 }
+
+// A handover whose successor never takes the mount (it died, or refused)
+// leaves it with the server, which serves it again: the same handles, and
+// a reader blocked meanwhile only waits.
+func TestResumeAfterAFailedHandover(t *testing.T) {
+	testenv.RequireFUSE(t)
+	srv, _, _, _ := newTestServer(t)
+	srv.Connect(nil, nil)
+	mp := t.TempDir()
+	if err := srv.Serve(mp); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Unmount() })
+	statsF, err := os.Open(filepath.Join(mp, ControlDir, StatsFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer statsF.Close()
+	if _, _, err := srv.Handover(time.Second); err != nil {
+		t.Fatal(err)
+	}
+	// Nobody reads the connection now: this read waits for the resume.
+	read := make(chan error, 1)
+	go func() { _, err := os.ReadFile(filepath.Join(mp, ManifestFile)); read <- err }()
+	if err := srv.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-read:
+		if err != nil {
+			t.Fatalf("a read across the failed handover: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("a read across the failed handover was not answered within 30 s of the resume")
+	}
+	if _, err := statsF.Read(make([]byte, 1<<16)); err != nil {
+		t.Fatalf("a handle opened before the failed handover: %v", err)
+	}
+	if err := srv.Unmount(); err != nil {
+		t.Fatalf("unmount after the resume: %v", err)
+	}
+}

@@ -145,43 +145,50 @@ FUSE directly).`)
 		d.storeConnection()
 	}
 	d.tellServing()
-	d.startWarmUp()
-	if d.handover, err = d.listenHandover(fl.Arg(1)); err != nil {
-		log.Warn("no restart without readers noticing: the handover socket failed", zap.Error(err))
-	}
-	var handovers <-chan *net.UnixConn
-	if d.handover != nil {
-		handovers = d.handover.reqs
-	}
-	gone := make(chan struct{})
-	go func() { d.srv.Wait(); close(gone) }()
-	detached := watchMountpoint(fl.Arg(1))
-	select {
-	case s := <-sig:
-		log.Info("unmounting", zap.String("signal", s.String()))
-		d.notify("STOPPING=1\nSTATUS=unmounting (" + s.String() + ")")
-		d.waitForMappers(mf.stopWait, sig)
-		return d.stop(true)
-	case conn := <-handovers:
-		log.Info("handing the mount over to a successor")
-		if err := d.handOver(conn); err != nil {
-			log.Error("handover failed", zap.Error(err))
+	if mf.takeover && d.registry != nil {
+		if err := d.bindMetrics(10 * time.Second); err != nil {
+			log.Error("no metrics after the takeover", zap.Error(err))
 		}
-		if d.handedOver {
+	}
+	d.startWarmUp()
+	detached := watchMountpoint(fl.Arg(1))
+	for {
+		if d.handover, err = d.listenHandover(fl.Arg(1)); err != nil {
+			log.Warn("no restart without readers noticing: the handover socket failed", zap.Error(err))
+		}
+		var handovers <-chan *net.UnixConn
+		if d.handover != nil {
+			handovers = d.handover.reqs
+		}
+		gone := make(chan struct{})
+		go func() { d.srv.Wait(); close(gone) }()
+		select {
+		case s := <-sig:
+			log.Info("unmounting", zap.String("signal", s.String()))
+			d.notify("STOPPING=1\nSTATUS=unmounting (" + s.String() + ")")
+			d.waitForMappers(mf.stopWait, sig)
+			return d.stop(true)
+		case conn := <-handovers:
+			log.Info("handing the mount over to a successor")
+			if err := d.handOver(conn); err != nil {
+				log.Error("handover failed", zap.Error(err))
+			}
+			if d.handedOver {
+				return d.stop(false)
+			}
+			// Still ours (resumed, or never stopped): serve on.
+		case <-gone:
+			log.Info("unmounted from outside", zap.String("mountpoint", d.srv.Mountpoint()))
+			d.notify("STOPPING=1\nSTATUS=unmounted from outside")
+			return d.stop(false)
+		case <-detached:
+			// A lazy unmount from outside (engramfs unmount on a busy mount)
+			// hides the mount but keeps the connection alive while anything maps
+			// a file, the daemon's own pinned mappings included: let go of them.
+			log.Info("mount detached from outside", zap.String("mountpoint", d.srv.Mountpoint()))
+			d.notify("STOPPING=1\nSTATUS=detached from outside")
 			return d.stop(false)
 		}
-		return d.stop(true)
-	case <-gone:
-		log.Info("unmounted from outside", zap.String("mountpoint", d.srv.Mountpoint()))
-		d.notify("STOPPING=1\nSTATUS=unmounted from outside")
-		return d.stop(false)
-	case <-detached:
-		// A lazy unmount from outside (engramfs unmount on a busy mount)
-		// hides the mount but keeps the connection alive while anything maps
-		// a file, the daemon's own pinned mappings included: let go of them.
-		log.Info("mount detached from outside", zap.String("mountpoint", d.srv.Mountpoint()))
-		d.notify("STOPPING=1\nSTATUS=detached from outside")
-		return d.stop(false)
 	}
 }
 
@@ -281,6 +288,27 @@ type daemon struct {
 	pred       *predecessor      // the daemon taken over from, until this one serves
 	inherited  bool              // the mount was taken over and is not served yet: never unmount it
 	takeoverMS float64           // how long the takeover took (status)
+
+	registry    *prometheus.Registry // nil: --metrics-addr off
+	metricsAddr string
+}
+
+// bindMetrics serves the metrics on --metrics-addr, retrying for up to
+// patience while the address is in use (a predecessor letting it go).
+func (d *daemon) bindMetrics(patience time.Duration) error {
+	deadline := time.Now().Add(patience)
+	for {
+		reg, err := metrics.Serve(d.metricsAddr, d.registry, d.log)
+		if err == nil {
+			d.metrics = reg
+			d.log.Info("serving metrics", zap.String("addr", "http://"+reg.Addr()+"/metrics"))
+			return nil
+		}
+		if !errors.Is(err, syscall.EADDRINUSE) || time.Now().After(deadline) {
+			return usageError{Err: fmt.Errorf("--metrics-addr %q: %w", d.metricsAddr, err)}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // The default --queue-depth: a local disk does ~126K 4 KiB reads a second at
@@ -404,15 +432,13 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		log.Error("mount failed", zap.Error(err))
 		return nil, err
 	}
-	// Bound once the mount serves: a predecessor frees the address only
-	// when it hands over.
-	if registry != nil {
-		reg, err := metrics.Serve(mf.metricsAddr, registry, log)
-		if err != nil {
-			return nil, usageError{Err: fmt.Errorf("--metrics-addr %q: %w", mf.metricsAddr, err)}
+	// Bound once the mount serves; after a takeover once the predecessor
+	// has let the address go (bindMetrics, after it heard "serving").
+	d.registry, d.metricsAddr = registry, mf.metricsAddr
+	if registry != nil && !mf.takeover {
+		if err := d.bindMetrics(0); err != nil {
+			return nil, err
 		}
-		d.metrics = reg
-		log.Info("serving metrics", zap.String("addr", "http://"+reg.Addr()+"/metrics"))
 	}
 	spareProcs(log)
 	if mf.stateFile != "" {

@@ -190,22 +190,31 @@ func samePeer(conn *net.UnixConn) error {
 // request boundary, send the descriptor (with this daemon's stdout and
 // stderr, so the logs go on where they went), the open handles and the hot
 // set; wait for the successor to serve; answer what is still in flight.
-// The caller then releases everything but the mount (stop).
+// Then d.handedOver is set and the caller releases everything but the
+// mount (stop). A successor that dies or refuses before it serves leaves
+// the mount with this daemon, which serves it again (Server.Resume).
 func (d *daemon) handOver(conn *net.UnixConn) error {
 	defer conn.Close()
 	start := time.Now()
-	// The successor binds these once it serves.
+	// The successor binds the socket once it serves (the caller listens
+	// again if it does not).
 	d.handover.close()
-	if d.metrics != nil {
-		_ = d.metrics.Close()
-		d.metrics = nil
-	}
 	dev, sess, err := d.srv.Handover(handoverDrain)
 	if err != nil {
 		_ = json.NewEncoder(conn).Encode(handoverMsg{Op: "error", Error: err.Error()})
 		return err
 	}
-	d.handedOver = true
+	resume := func(why error) error {
+		if rerr := d.srv.Resume(); rerr != nil {
+			// Nothing left to serve with: the kernel keeps the requests
+			// queued for a `mount --takeover` (or the fd store's restart).
+			d.log.Error("handover failed and serving again failed: the mount waits for a daemon",
+				zap.NamedError("handover", why), zap.Error(rerr))
+			d.handedOver = true // never unmount it under its readers
+			return why
+		}
+		return why
+	}
 	keys := d.hotSet()
 	hot, err := warm.Encode(d.model, keys)
 	if err != nil {
@@ -213,22 +222,24 @@ func (d *daemon) handOver(conn *net.UnixConn) error {
 	}
 	rights := unix.UnixRights(int(dev.Fd()), 1, 2)
 	if _, _, err := conn.WriteMsgUnix([]byte{'F'}, rights, nil); err != nil {
-		return fmt.Errorf("handover: passing the descriptor: %w", err)
+		return resume(fmt.Errorf("handover: passing the descriptor: %w", err))
 	}
 	if err := json.NewEncoder(conn).Encode(handoverMsg{Op: "state", Session: sess, Hot: hot, Pid: os.Getpid()}); err != nil {
-		return fmt.Errorf("handover: sending the state: %w", err)
+		return resume(fmt.Errorf("handover: sending the state: %w", err))
 	}
 	d.log.Info("handover: descriptor, handles and hot set passed", zap.Int("handles", len(sess.Handles)),
 		zap.Int("hot_pages", len(keys)), zap.Duration("took", time.Since(start)))
 	_ = conn.SetReadDeadline(time.Now().Add(handoverServing))
 	var m handoverMsg
 	if err := json.NewDecoder(conn).Decode(&m); err != nil || m.Op != "serving" {
-		// Nothing to roll back to: go-fuse's server is done. The kernel keeps
-		// the requests queued; a new `engramfs mount --takeover` serves them.
-		d.log.Error("handover: the successor never said it serves; the mount waits for a daemon",
-			zap.String("mountpoint", d.srv.Mountpoint()), zap.Error(err))
-	} else {
-		d.log.Info("handover: the successor serves", zap.Int("successor_pid", m.Pid))
+		return resume(fmt.Errorf("handover: the successor never said it serves (%v)", err))
+	}
+	d.log.Info("handover: the successor serves", zap.Int("successor_pid", m.Pid))
+	d.handedOver = true
+	// The successor binds the metrics address now.
+	if d.metrics != nil {
+		_ = d.metrics.Close()
+		d.metrics = nil
 	}
 	if !d.srv.Finish(handoverFinish) {
 		d.log.Warn("handover: requests still unanswered; exiting anyway", zap.Duration("waited", handoverFinish))
