@@ -95,8 +95,11 @@ func init() {
 func runMount(args []string) error {
 	fl := newFlagSet("mount", "[flags] MODEL_DIR MOUNTPOINT", `
 Mounts the engram tables of MODEL_DIR on MOUNTPOINT and serves them in the
-foreground until SIGINT or SIGTERM, which unmount (lazily when a reader still
-maps a file). The tree:
+foreground until SIGINT or SIGTERM, which wait (--stop-wait) for processes
+mapping a table to let go, then unmount (lazily when a reader still uses a
+file). To restart or upgrade the daemon under live readers, use
+'engramfs restart MOUNTPOINT' (it runs this command line with --takeover).
+The tree:
 
   manifest.json                     layers, tables, dtype, shape, row_bytes, data_offset, file
   model.safetensors.index.json      weight_map: tensor name -> table file
