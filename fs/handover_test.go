@@ -2,6 +2,7 @@ package fs
 
 import (
 	"bytes"
+	"fmt"
 	"errors"
 	"os"
 	"path/filepath"
@@ -205,6 +206,18 @@ func TestResumeAfterAFailedHandover(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = srv.Unmount() })
+	var st unix.Stat_t
+	if err := unix.Stat(mp, &st); err != nil {
+		t.Fatal(err)
+	}
+	// If nobody serves the mount again, every call on it would block: the
+	// test's own closes included. Aborting the connection fails them.
+	abort := func() {
+		p := fmt.Sprintf("/sys/fs/fuse/connections/%d/abort", unix.Minor(st.Dev))
+		if err := os.WriteFile(p, []byte("1"), 0); err != nil {
+			t.Errorf("aborting the unserved connection: %v", err)
+		}
+	}
 	statsF, err := os.Open(filepath.Join(mp, ControlDir, StatsFile))
 	if err != nil {
 		t.Fatal(err)
@@ -225,6 +238,7 @@ func TestResumeAfterAFailedHandover(t *testing.T) {
 			t.Fatalf("a read across the failed handover: %v", err)
 		}
 	case <-time.After(30 * time.Second):
+		abort()
 		t.Fatal("a read across the failed handover was not answered within 30 s of the resume")
 	}
 	if _, err := statsF.Read(make([]byte, 1<<16)); err != nil {
