@@ -2,8 +2,8 @@ package fs
 
 import (
 	"bytes"
-	"fmt"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"sync"
