@@ -78,7 +78,7 @@ const cacheTimeout = 24 * time.Hour
 // Server is the tree of one model, and its mount once Serve has it up.
 type Server struct {
 	root  *root
-	rawFS fuse.RawFileSystem
+	rawFS *sessionFS // the tree's raw file system, with what a handover needs (handover.go)
 	opts  *gofs.Options
 	log   *zap.Logger
 
@@ -86,6 +86,9 @@ type Server struct {
 	srv        *fuse.Server // GUARDED_BY(mu); nil before Serve
 	mountpoint string       // GUARDED_BY(mu)
 	own        ownMount     // GUARDED_BY(mu): the mount Serve made (mounted.go)
+	dev        *os.File     // GUARDED_BY(mu): the connection's /dev/fuse, kept for a handover
+
+	handingOver atomic.Bool // set once Handover starts
 
 	// live is non-nil while the mount is up and the daemon holds its table
 	// files open: what Store and Confirm need.
@@ -106,7 +109,14 @@ type Server struct {
 // They are closed before unmounting: an open file keeps the mount busy.
 type liveMount struct {
 	files []*os.File // by table ID
+	// ready is closed once go-fuse can write to the kernel for the tree
+	// (its server is built): at once for Serve; a takeover publishes the
+	// mount a moment before, so that no push in between fails (handover.go).
+	ready chan struct{}
 }
+
+// closedReady is the ready of a liveMount published once serving.
+var closedReady = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // New builds the tree of o.Model. Nothing is mounted yet: Connect the
 // receivers of hints and faults, then Serve.
@@ -127,6 +137,11 @@ func New(o Options) (*Server, error) {
 	r.roDir.attr = r.attr(syscall.S_IFDIR|0o755, 0)
 	timeout := cacheTimeout
 	opts := &gofs.Options{
+		// Node IDs are the tree's inode numbers, which root.OnAdd gives
+		// in a fixed order: a successor daemon answers for the node IDs
+		// the kernel already holds (handover.go).
+		ExternalNodeID:  true,
+		RootStableAttr:  &gofs.StableAttr{Ino: fuse.FUSE_ROOT_ID},
 		EntryTimeout:    &timeout,
 		AttrTimeout:     &timeout,
 		NegativeTimeout: &timeout,
@@ -167,8 +182,9 @@ func New(o Options) (*Server, error) {
 		},
 	}
 	// NewNodeFS builds the whole tree now (root.OnAdd).
-	rawFS := gofs.NewNodeFS(r, opts)
-	return &Server{root: r, rawFS: rawFS, opts: opts, log: o.Log}, nil
+	s := &Server{root: r, rawFS: newSessionFS(gofs.NewNodeFS(r, opts)), opts: opts, log: o.Log}
+	opts.MountOptions.Logger = newGoFuseLogger(s)
+	return s, nil
 }
 
 // Connect wires the receivers: control-file frames go to hints, and every
@@ -202,13 +218,14 @@ func (s *Server) Serve(mountpoint string) error {
 	if err := checkMountpoint(mountpoint, s.log); err != nil {
 		return err
 	}
-	srv, err := fuse.NewServer(s.rawFS, mountpoint, &s.opts.MountOptions)
+	srv, err := s.mountDev(mountpoint)
 	if err != nil {
 		return fmt.Errorf("mount %s: %w", mountpoint, explainMountError(err))
 	}
 	go srv.Serve()
 	var own ownMount // unknown until the mount answers
 	fail := func(err error) error {
+		defer s.closeDevLocked()
 		if uerr := unmount(srv, mountpoint, own, s.log); uerr != nil {
 			s.log.Error("unmounting a mount that failed to start", zap.String("mountpoint", mountpoint), zap.Error(uerr))
 		}
@@ -217,26 +234,43 @@ func (s *Server) Serve(mountpoint string) error {
 	if err := srv.WaitMount(); err != nil {
 		return fail(err)
 	}
-	// Serving means a reader can use the tree: check it answers, through
-	// the kernel, before saying so.
-	if _, err := os.ReadFile(filepath.Join(mountpoint, ManifestFile)); err != nil {
-		return fail(fmt.Errorf("the new mount does not answer: %w", err))
-	}
-	if own, err = findOwnMount(mountpoint); err != nil {
+	live, err := s.goLive(mountpoint)
+	if err != nil {
 		return fail(err)
 	}
-	live := &liveMount{}
-	for id := range s.root.tables {
-		f, err := os.Open(mountedPath(mountpoint, s.root.o.Model.Tables[id]))
-		if err != nil {
-			live.close()
-			return fail(fmt.Errorf("looking up the table files: %w", err))
-		}
-		live.files = append(live.files, f)
+	if own, err = findOwnMount(mountpoint); err != nil {
+		live.close()
+		return fail(err)
 	}
 	s.srv, s.mountpoint, s.own = srv, mountpoint, own
 	s.live.Store(live)
 	return nil
+}
+
+// goLive checks that the mount answers, through the kernel, and opens the
+// daemon's own view of every table file (liveMount).
+func (s *Server) goLive(mountpoint string) (*liveMount, error) {
+	pollHack(mountpoint)
+	// Serving means a reader can use the tree: check it answers, through
+	// the kernel, before saying so.
+	if _, err := os.ReadFile(filepath.Join(mountpoint, ManifestFile)); err != nil {
+		return nil, fmt.Errorf("the new mount does not answer: %w", err)
+	}
+	return s.openLive(mountpoint, closedReady)
+}
+
+// openLive opens the daemon's own view of every table file.
+func (s *Server) openLive(mountpoint string, ready chan struct{}) (*liveMount, error) {
+	live := &liveMount{ready: ready}
+	for id := range s.root.tables {
+		f, err := os.Open(mountedPath(mountpoint, s.root.o.Model.Tables[id]))
+		if err != nil {
+			live.close()
+			return nil, fmt.Errorf("looking up the table files: %w", err)
+		}
+		live.files = append(live.files, f)
+	}
+	return live, nil
 }
 
 // close closes the daemon's own opens of the table files.
@@ -334,6 +368,7 @@ func (s *Server) Unmount() error {
 	if srv == nil {
 		return nil
 	}
+	defer s.closeDev()
 	// Name what may hold it: only control handles being open was logged
 	// as "a reader still maps a file".
 	return unmount(srv, mp, own, s.log.With(zap.Int64("control_handles_open", s.root.o.Stats.ControlHandles.Load())))
@@ -411,9 +446,11 @@ func mountedPath(mountpoint string, t *backing.Table) string {
 // folio being read is locked: the store would wait forever). Before Serve,
 // and after Close, it returns ErrNotServing.
 func (s *Server) Store(id uint32, off int64, data []byte) error {
-	if s.live.Load() == nil {
+	live := s.live.Load()
+	if live == nil {
 		return ErrNotServing
 	}
+	<-live.ready
 	if int(id) >= len(s.root.tables) {
 		return fmt.Errorf("table %d: no such table", id)
 	}
@@ -435,6 +472,7 @@ func (s *Server) Confirm(id uint32, off int64) error {
 	if live == nil {
 		return ErrNotServing
 	}
+	<-live.ready
 	if int(id) >= len(live.files) {
 		return fmt.Errorf("table %d: no such table", id)
 	}

@@ -97,6 +97,13 @@ func TestSystemdNotify(t *testing.T) {
 			if !hasAssignment(msg, "READY=1") || !strings.Contains(msg, "STATUS=serving 4 tables of 2 layers") {
 				t.Fatalf("first message %q, want READY=1 and a STATUS", msg)
 			}
+			// Then the FUSE connection for the file descriptor store (the
+			// stale one removed first): a crash leaves the mount alive.
+			for _, want := range []string{"FDSTOREREMOVE=1", "FDSTORE=1"} {
+				if msg = nextNotify(t, conn, 30*time.Second); !hasAssignment(msg, want) || !hasAssignment(msg, "FDNAME=engramfs-fuse") {
+					t.Fatalf("after READY got %q, want %s with FDNAME=engramfs-fuse", msg, want)
+				}
+			}
 
 			if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 				t.Fatal(err)

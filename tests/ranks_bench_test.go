@@ -176,6 +176,13 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if arg := os.Getenv(restartReaderEnv); arg != "" {
+		if err := runRestartReader(arg); err != nil {
+			fmt.Fprintln(os.Stderr, "restart reader:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	os.Exit(testenv.Run(m))
 }
 

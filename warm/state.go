@@ -71,30 +71,17 @@ var ErrOtherModel = errors.New("state file is for another model")
 // same directory, synced, then renamed over path, so a crash leaves the old
 // state or the new one, never half of one.
 func Save(path string, m *backing.Model, keys []cache.PageKey) error {
-	hdr, err := json.Marshal(Header{PageSize: cache.PageSize, Tables: Identity(m), Pages: len(keys), Saved: time.Now().UTC()})
+	buf, err := Encode(m, keys)
 	if err != nil {
 		return err
 	}
-	var buf bytes.Buffer
-	buf.Grow(len(magic) + 4 + len(hdr) + 5*len(keys) + 4)
-	buf.WriteString(magic)
-	buf.Write(binary.LittleEndian.AppendUint32(nil, uint32(len(hdr))))
-	buf.Write(hdr)
-	var v []byte
-	for _, k := range keys {
-		v = binary.AppendUvarint(v[:0], uint64(k.Table))
-		v = binary.AppendUvarint(v, k.Page)
-		buf.Write(v)
-	}
-	buf.Write(binary.LittleEndian.AppendUint32(nil, crc32.ChecksumIEEE(buf.Bytes())))
-
 	dir := filepath.Dir(path)
 	f, err := os.CreateTemp(dir, filepath.Base(path)+".tmp-*")
 	if err != nil {
 		return fmt.Errorf("warm state %s: %w", path, err)
 	}
 	tmp := f.Name()
-	if _, err := f.Write(buf.Bytes()); err != nil {
+	if _, err := f.Write(buf); err != nil {
 		f.Close()
 		os.Remove(tmp)
 		return fmt.Errorf("warm state %s: %w", path, err)
@@ -118,6 +105,28 @@ func Save(path string, m *backing.Model, keys []cache.PageKey) error {
 		d.Close()
 	}
 	return nil
+}
+
+// Encode is the state of keys of model m, as Save writes it: also what a
+// daemon hands its successor on a restart (engramfs restart), in memory.
+func Encode(m *backing.Model, keys []cache.PageKey) ([]byte, error) {
+	hdr, err := json.Marshal(Header{PageSize: cache.PageSize, Tables: Identity(m), Pages: len(keys), Saved: time.Now().UTC()})
+	if err != nil {
+		return nil, err
+	}
+	var buf bytes.Buffer
+	buf.Grow(len(magic) + 4 + len(hdr) + 5*len(keys) + 4)
+	buf.WriteString(magic)
+	buf.Write(binary.LittleEndian.AppendUint32(nil, uint32(len(hdr))))
+	buf.Write(hdr)
+	var v []byte
+	for _, k := range keys {
+		v = binary.AppendUvarint(v[:0], uint64(k.Table))
+		v = binary.AppendUvarint(v, k.Page)
+		buf.Write(v)
+	}
+	buf.Write(binary.LittleEndian.AppendUint32(nil, crc32.ChecksumIEEE(buf.Bytes())))
+	return buf.Bytes(), nil
 }
 
 // Load reads the state file at path for model m, and returns at most
@@ -155,6 +164,23 @@ func Load(path string, m *backing.Model, maxPages int) ([]cache.PageKey, Header,
 	if err != nil {
 		return nil, hdr, err
 	}
+	return decode(b, m, maxPages, bad)
+}
+
+// Decode reads a state Encode made, for model m, at most maxPages of its
+// pages, as Load does.
+func Decode(b []byte, m *backing.Model, maxPages int) ([]cache.PageKey, Header, error) {
+	bad := func(what string, err error) error {
+		if err != nil {
+			return fmt.Errorf("warm state: %s: %w", what, err)
+		}
+		return fmt.Errorf("warm state: %s", what)
+	}
+	return decode(b, m, maxPages, bad)
+}
+
+func decode(b []byte, m *backing.Model, maxPages int, bad func(string, error) error) ([]cache.PageKey, Header, error) {
+	var hdr Header
 	if len(b) < len(magic)+8 || string(b[:len(magic)]) != magic {
 		return nil, hdr, bad("not an engramfs warm state file", nil)
 	}
@@ -173,7 +199,7 @@ func Load(path string, m *backing.Model, maxPages int) ([]cache.PageKey, Header,
 	}
 	rest = rest[n:]
 	if err := sameModel(hdr, m); err != nil {
-		return nil, hdr, fmt.Errorf("warm state %s: %w", path, err)
+		return nil, hdr, bad("model", err)
 	}
 	if hdr.Pages < 0 {
 		return nil, hdr, bad("negative page count", nil)

@@ -75,6 +75,34 @@ func TestSaveLoadRoundTrip(t *testing.T) {
 	}
 }
 
+// The hot set a daemon hands its successor in memory is the state file's
+// bytes: the same keys come back, clamped to the successor's tier, and a
+// damaged or foreign one is refused.
+func TestEncodeDecodeRoundTrip(t *testing.T) {
+	m := synthModel(t, 1000)
+	keys := someKeys(m, 300)
+	b, err := Encode(m, keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _, err := Decode(b, m, 1<<20)
+	if err != nil || !slices.Equal(got, keys) {
+		t.Fatalf("Decode: %d keys, %v; want the %d encoded", len(got), err, len(keys))
+	}
+	if got, _, err := Decode(b, m, 7); err != nil || !slices.Equal(got, keys[:7]) {
+		t.Fatalf("Decode with maxPages 7: %v, %v", got, err)
+	}
+	b[len(b)/2] ^= 1
+	if _, _, err := Decode(b, m, 1<<20); err == nil {
+		t.Fatal("a damaged state decoded")
+	}
+	other := synthModel(t, 2000)
+	b, _ = Encode(other, someKeys(other, 3))
+	if _, _, err := Decode(b, m, 1<<20); !errors.Is(err, ErrOtherModel) {
+		t.Fatalf("a state of another model: %v, want ErrOtherModel", err)
+	}
+}
+
 func TestStateOfAnotherModelIsRefused(t *testing.T) {
 	m := synthModel(t, 1000)
 	other := synthModel(t, 1001) // same names, other row count

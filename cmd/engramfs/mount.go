@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/backing"
@@ -19,6 +21,7 @@ import (
 	"github.com/engramfs/engramfs/backing/s3source"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/fs"
+	"github.com/engramfs/engramfs/internal/procfs"
 	"github.com/engramfs/engramfs/internal/sdnotify"
 	"github.com/engramfs/engramfs/internal/stats"
 	"github.com/engramfs/engramfs/metrics"
@@ -42,6 +45,8 @@ type mountFlags struct {
 	allowOther   bool
 	debugFUSE    bool
 	passthrough  bool
+	takeover     bool
+	stopWait     time.Duration
 	s3Flags
 	logFlags
 }
@@ -51,6 +56,7 @@ func (f *mountFlags) register(fl interface {
 	IntVar(*int, string, int, string)
 	BoolVar(*bool, string, bool, string)
 	Var(flag.Value, string, string)
+	DurationVar(*time.Duration, string, time.Duration, string)
 }) {
 	fl.StringVar(&f.tablePattern, "table-pattern", backing.DefaultTablePattern,
 		"regular expression that picks the engram tables among the tensors; its named groups (?P<layer>...) and (?P<table>...) say which layer and table a tensor is")
@@ -72,10 +78,14 @@ func (f *mountFlags) register(fl interface {
 	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
 	fl.BoolVar(&f.passthrough, "passthrough", true,
 		"serve MODEL_DIR's other files (config, tokenizer, shards) with FUSE passthrough where the kernel allows (6.9+, CAP_SYS_ADMIN); false: the daemon reads them, with readahead for sequential readers")
+	fl.BoolVar(&f.takeover, "takeover", false,
+		"take the live mount at MOUNTPOINT over from the daemon serving it, instead of mounting (what engramfs restart runs): readers see no error")
 	fl.StringVar(&f.metricsAddr, "metrics-addr", "",
 		"serve Prometheus metrics on this host:port at /metrics, e.g. 127.0.0.1:9464 (off when empty)")
 	fl.StringVar(&f.stateFile, "state-file", "",
 		"warm restart: save the hot tier's page keys here on a clean stop, and fetch and pin them again on mount (off when empty)")
+	fl.DurationVar(&f.stopWait, "stop-wait", defaultStopWait,
+		"on SIGINT or SIGTERM while processes map table files, wait this long for the last mapping to go (logging their pids) before unmounting; a second signal stops at once")
 	fl.StringVar(&f.injectFaults, "inject-faults", "",
 		"TESTING ONLY: inject backing faults, e.g. eio=0.01,short=0.01,latency=2ms,seed=7 (see README)")
 	f.s3Flags.register(fl)
@@ -88,8 +98,11 @@ func init() {
 func runMount(args []string) error {
 	fl := newFlagSet("mount", "[flags] MODEL_DIR MOUNTPOINT", `
 Mounts MODEL_DIR on MOUNTPOINT with its engram tables served by engramfs, and
-serves it in the foreground until SIGINT or SIGTERM, which unmount (lazily
-when a reader still maps a file). The tree:
+serves it in the foreground until SIGINT or SIGTERM, which wait (--stop-wait)
+for processes mapping a table to let go, then unmount (lazily when a reader
+still uses a file). To restart or upgrade the daemon under live readers, use
+'engramfs restart MOUNTPOINT' (it runs this command line with --takeover).
+The tree:
 
   manifest.json                     layers, tables, dtype, shape, row_bytes, data_offset, file
   model.safetensors.index.json      weight_map: every tensor -> its table file, or its shard
@@ -135,32 +148,122 @@ is cleaned up. Counts must be positive and sizes need a unit (0 excepted).`)
 	if len(d.warmKeys) > 0 {
 		ready += fmt.Sprintf("; warming %d saved pages", len(d.warmKeys))
 	}
+	if mf.takeover {
+		ready = notifyMainPID() + ready
+	}
 	d.notify(ready)
 	if os.Getenv(readyOnlyEnv) == "1" {
 		os.Unsetenv(sdnotify.SocketEnv)
+	} else {
+		d.storeConnection()
+	}
+	d.tellServing()
+	if mf.takeover && d.registry != nil {
+		if err := d.bindMetrics(10 * time.Second); err != nil {
+			log.Error("no metrics after the takeover", zap.Error(err))
+		}
 	}
 	d.startWarmUp()
-	gone := make(chan struct{})
-	go func() { d.srv.Wait(); close(gone) }()
 	detached := d.srv.Detached()
-	select {
-	case s := <-sig:
-		log.Info("unmounting", zap.String("signal", s.String()))
-		d.notify("STOPPING=1\nSTATUS=unmounting (" + s.String() + ")")
-		return d.stop(true)
-	case <-gone:
-		log.Info("unmounted from outside", zap.String("mountpoint", d.srv.Mountpoint()))
-		d.notify("STOPPING=1\nSTATUS=unmounted from outside")
-		return d.stop(false)
-	case <-detached:
-		// A lazy unmount from outside (engramfs unmount on a busy mount)
-		// hides the mount but keeps the connection alive while anything maps
-		// a file, the daemon's own pinned mappings included: let go of them.
-		// (A mount stacked on ours is no detach: fs.Server.Detached.)
-		log.Info("mount detached from outside", zap.String("mountpoint", d.srv.Mountpoint()))
-		d.notify("STOPPING=1\nSTATUS=detached from outside")
-		return d.stop(false)
+	for {
+		if d.handover, err = d.listenHandover(fl.Arg(1)); err != nil {
+			log.Warn("no restart without readers noticing: the handover socket failed", zap.Error(err))
+		}
+		var handovers <-chan *net.UnixConn
+		if d.handover != nil {
+			handovers = d.handover.reqs
+		}
+		gone := make(chan struct{})
+		go func() { d.srv.Wait(); close(gone) }()
+		select {
+		case s := <-sig:
+			log.Info("unmounting", zap.String("signal", s.String()))
+			d.notify("STOPPING=1\nSTATUS=unmounting (" + s.String() + ")")
+			d.waitForMappers(mf.stopWait, sig)
+			return d.stop(true)
+		case conn := <-handovers:
+			log.Info("handing the mount over to a successor")
+			if err := d.handOver(conn); err != nil {
+				log.Error("handover failed", zap.Error(err))
+			}
+			if d.handedOver {
+				return d.stop(false)
+			}
+			// Still ours (resumed, or never stopped): serve on.
+		case <-gone:
+			log.Info("unmounted from outside", zap.String("mountpoint", d.srv.Mountpoint()))
+			d.notify("STOPPING=1\nSTATUS=unmounted from outside")
+			return d.stop(false)
+		case <-detached:
+			// A lazy unmount from outside (engramfs unmount on a busy mount)
+			// hides the mount but keeps the connection alive while anything maps
+			// a file, the daemon's own pinned mappings included: let go of them.
+			// (A mount stacked on ours is no detach: fs.Server.Detached.)
+			log.Info("mount detached from outside", zap.String("mountpoint", d.srv.Mountpoint()))
+			d.notify("STOPPING=1\nSTATUS=detached from outside")
+			return d.stop(false)
+		}
 	}
+}
+
+// The default --stop-wait: systemd's TimeoutStopSec is 60 s in the unit;
+// the unpin and the state save need a few of them.
+const defaultStopWait = 30 * time.Second
+
+// waitForMappers holds a stop while processes other than this one map a
+// file of the mount: their next cold page would be SIGBUS once the daemon
+// is gone. It waits at most max, logging who maps every few seconds; a
+// second signal on sig, or max 0, stops at once.
+func (d *daemon) waitForMappers(max time.Duration, sig <-chan os.Signal) {
+	mp := d.srv.Mountpoint()
+	if mp == "" || max <= 0 {
+		return
+	}
+	start := time.Now()
+	var logged time.Time
+	for {
+		pids, err := mapperPids(mp)
+		if err != nil || len(pids) == 0 {
+			if !logged.IsZero() {
+				d.log.Info("the last mapping of the mount is gone", zap.Duration("waited", time.Since(start)))
+			}
+			return
+		}
+		if time.Since(start) >= max {
+			d.log.Warn("processes still map table files; unmounting anyway (their next cold page is SIGBUS)",
+				zap.Ints("pids", pids), zap.Duration("waited", max))
+			return
+		}
+		if time.Since(logged) >= 5*time.Second {
+			d.log.Warn("waiting for processes that map table files to let go (a second signal stops at once)",
+				zap.Ints("pids", pids), zap.Duration("at_most", max))
+			d.notify(fmt.Sprintf("STATUS=stopping: waiting for pids %v to unmap table files", pids))
+			logged = time.Now()
+		}
+		select {
+		case s := <-sig:
+			d.log.Warn("second signal: stopping although processes map table files", zap.String("signal", s.String()), zap.Ints("pids", pids))
+			return
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+// mapperPids is procfs.Mappers without this process (the hot tier maps
+// every table).
+func mapperPids(mp string) ([]int, error) {
+	abs, err := filepath.Abs(mp)
+	if err != nil {
+		return nil, err
+	}
+	ms, err := procfs.Mappers(abs)
+	var pids []int
+	for _, m := range ms {
+		if m.Pid != os.Getpid() {
+			pids = append(pids, m.Pid)
+		}
+	}
+	return pids, err
 }
 
 // daemon is a running mount and everything it owns. Fields are nil until
@@ -181,6 +284,33 @@ type daemon struct {
 	stateFile    string          // "": no warm restart (set once the mount serves)
 	warmKeys     []cache.PageKey // the saved hot set to fetch again
 	warm         *warm.Warmer    // nil: no warm-up started
+
+	handover   *handoverListener // nil: no socket (restart.go)
+	handedOver bool              // the mount is the successor's: never unmount it
+	pred       *predecessor      // the daemon taken over from, until this one serves
+	inherited  bool              // the mount was taken over and is not served yet: never unmount it
+	takeoverMS float64           // how long the takeover took (status)
+
+	registry    *prometheus.Registry // nil: --metrics-addr off
+	metricsAddr string
+}
+
+// bindMetrics serves the metrics on --metrics-addr, retrying for up to
+// patience while the address is in use (a predecessor letting it go).
+func (d *daemon) bindMetrics(patience time.Duration) error {
+	deadline := time.Now().Add(patience)
+	for {
+		reg, err := metrics.Serve(d.metricsAddr, d.registry, d.log)
+		if err == nil {
+			d.metrics = reg
+			d.log.Info("serving metrics", zap.String("addr", "http://"+reg.Addr()+"/metrics"))
+			return nil
+		}
+		if !errors.Is(err, syscall.EADDRINUSE) || time.Now().After(deadline) {
+			return usageError{Err: fmt.Errorf("--metrics-addr %q: %w", d.metricsAddr, err)}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // The default --queue-depth: a local disk does ~126K 4 KiB reads a second at
@@ -243,21 +373,15 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		log.Warn("io_uring unavailable: reading shards with a pread worker pool", zap.String("reason", why))
 	}
 	st.SetLayers(model.Layers)
+	var registry *prometheus.Registry
 	if mf.metricsAddr != "" {
 		// The histograms' hook goes in before anything shares st: the tree
 		// picks its timed nodes by it.
 		timings := metrics.NewTimings(model)
 		st.Timings = timings
-		r, err := metrics.Registry(st, timings)
-		if err != nil {
+		if registry, err = metrics.Registry(st, timings); err != nil {
 			return nil, err
 		}
-		reg, err := metrics.Serve(mf.metricsAddr, r, log)
-		if err != nil {
-			return nil, usageError{Err: fmt.Errorf("--metrics-addr %q: %w", mf.metricsAddr, err)}
-		}
-		d.metrics = reg
-		log.Info("serving metrics", zap.String("addr", "http://"+reg.Addr()+"/metrics"))
 	}
 	if d.store, err = backing.Open(model, d.source, st); err != nil {
 		return nil, err
@@ -292,15 +416,39 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	d.srv.Connect(d.pf, d.pf)
 	// Ready means a reader can use the tree: Serve checks it answers,
 	// through the kernel, before it returns (and so before the log, the
-	// service manager and the mount helper hear of it).
-	if err := d.srv.Serve(mountpoint); err != nil {
+	// service manager and the mount helper hear of it). A takeover checks
+	// the same.
+	if mf.takeover {
+		if err := d.takeOver(mountpoint); err != nil {
+			log.Error("takeover failed", zap.Error(err))
+			return nil, err
+		}
+	} else if dev := storedConnection(mountpoint, log); dev != nil {
+		if err := d.srv.TakeOver(mountpoint, func() (*os.File, fs.Session, error) { return dev, fs.Session{}, nil }, true); err != nil {
+			log.Error("taking the mount over from the file descriptor store failed", zap.Error(err))
+			return nil, err
+		}
+		d.inherited = true
+		log.Warn("took the mount over from the service manager's file descriptor store: the previous daemon died; "+
+			"requests it read were sent again, handles it had opened answer EBADF (the clients reopen)", zap.String("mountpoint", mountpoint))
+	} else if err := d.srv.Serve(mountpoint); err != nil {
 		log.Error("mount failed", zap.Error(err))
 		return nil, err
+	}
+	// Bound once the mount serves; after a takeover once the predecessor
+	// has let the address go (bindMetrics, after it heard "serving").
+	d.registry, d.metricsAddr = registry, mf.metricsAddr
+	if registry != nil && !mf.takeover {
+		if err := d.bindMetrics(0); err != nil {
+			return nil, err
+		}
 	}
 	spareProcs(log)
 	if mf.stateFile != "" {
 		d.stateFile = mf.stateFile
-		d.warmKeys = loadWarmState(mf.stateFile, model, tierPages(st), log)
+		if !mf.takeover {
+			d.warmKeys = loadWarmState(mf.stateFile, model, tierPages(st), log)
+		}
 	}
 	direct := 0
 	for _, sh := range model.Shards {
@@ -370,21 +518,9 @@ func loadWarmState(path string, m *backing.Model, capacity int, log *zap.Logger)
 // tierPages is the hot tier's capacity in pages, after clamping.
 func tierPages(st *stats.Counters) int { return int(st.CacheCapacityBytes.Load() / cache.PageSize) }
 
-// saveWarmState saves the hot set: the tier's pages, then those a warm-up
-// still in progress had not settled (they were hot before this run too).
+// saveWarmState saves the hot set (hotSet).
 func (d *daemon) saveWarmState() {
-	keys := d.hot.Keys()
-	if d.warm != nil {
-		seen := make(map[cache.PageKey]struct{}, len(keys))
-		for _, k := range keys {
-			seen[k] = struct{}{}
-		}
-		for _, k := range d.warm.Pending() {
-			if _, ok := seen[k]; !ok && len(keys) < tierPages(d.st) {
-				keys = append(keys, k)
-			}
-		}
-	}
+	keys := d.hotSet()
 	start := time.Now()
 	if err := warm.Save(d.stateFile, d.model, keys); err != nil {
 		d.log.Error("warm restart: saving the hot set failed; the next mount starts cold", zap.Error(err))
@@ -409,6 +545,10 @@ func (d *daemon) saveWarmState() {
 //  4. the shards, then the source (an object store's mirror writes the
 //     pages still queued), then the read engine that served them.
 func (d *daemon) stop(unmount bool) error {
+	d.handover.close()
+	if d.pred != nil {
+		d.pred.conn.Close() // the predecessor hears the takeover failed
+	}
 	if d.warm != nil {
 		d.warm.Stop()
 	}
@@ -424,12 +564,17 @@ func (d *daemon) stop(unmount bool) error {
 		}
 	}
 	var err error
-	if d.srv != nil {
-		if unmount {
-			err = d.srv.Unmount()
-		} else {
-			d.srv.Close()
-		}
+	switch {
+	case d.srv == nil:
+	case d.handedOver:
+		d.srv.Release() // the successor serves the mount
+	case unmount && d.inherited:
+		// A takeover that failed: the mount is the predecessor's readers'.
+		d.srv.Release()
+	case unmount:
+		err = d.srv.Unmount()
+	default:
+		d.srv.Close()
 	}
 	if d.store != nil {
 		if cerr := d.store.Close(); cerr != nil {
@@ -450,7 +595,7 @@ func (d *daemon) stop(unmount bool) error {
 	if err != nil {
 		return err
 	}
-	if unmount && d.srv != nil && d.srv.Mountpoint() != "" {
+	if unmount && !d.handedOver && d.srv != nil && d.srv.Mountpoint() != "" {
 		d.log.Info("unmounted", zap.String("mountpoint", d.srv.Mountpoint()))
 	}
 	return nil

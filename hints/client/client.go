@@ -32,6 +32,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -60,7 +61,7 @@ var ErrRejected = errors.New("rejected by the mount")
 // Hinter writes hints to one handle of a mount's control file. It is safe for
 // concurrent use; frames of concurrent calls are never interleaved.
 type Hinter struct {
-	f    *os.File
+	f    atomic.Pointer[os.File] // replaced by reopen
 	path string
 
 	mu  sync.Mutex
@@ -78,7 +79,33 @@ func Open(mount string) (*Hinter, error) {
 	if err != nil {
 		return nil, fmt.Errorf("hint open: %w", err)
 	}
-	return &Hinter{f: f, path: path}, nil
+	h := &Hinter{path: path}
+	h.f.Store(f)
+	return h, nil
+}
+
+// staleHandle reports whether err means the handle no longer reaches a
+// daemon that knows it, while the mount may: a daemon that took the mount
+// over without this handle (EBADF: after a crash, or one too old to carry
+// handles over), a remount (ESTALE), or a dead mount (ENOTCONN).
+func staleHandle(err error) bool {
+	return errors.Is(err, syscall.EBADF) || errors.Is(err, syscall.ESTALE) || errors.Is(err, syscall.ENOTCONN)
+}
+
+// reopen replaces the handle f that failed with a new one, once: a
+// concurrent call that already replaced it does nothing. Frames accepted
+// on the old handle are not waited for by the new one's barrier.
+func (h *Hinter) reopen(f *os.File) error {
+	nf, err := os.OpenFile(h.path, os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("hint reopen: %w", err)
+	}
+	if !h.f.CompareAndSwap(f, nf) {
+		nf.Close()
+		return nil
+	}
+	f.Close()
+	return nil
 }
 
 // Prefill asks for rows of layer that a coming chunk will need. The filesystem
@@ -104,10 +131,19 @@ func (h *Hinter) send(c hints.Class, layer int, rows []uint64) error {
 		chunk := rows[:min(len(rows), hints.MaxRowsPerFrame)]
 		rows = rows[len(chunk):]
 		h.buf = hints.AppendBinary(h.buf[:0], c, layer, chunk)
-		if err := h.writeFrame(h.buf); err != nil {
-			if errors.Is(err, syscall.EINVAL) {
-				err = h.whyRejected(err)
+		f := h.f.Load()
+		err := h.writeFrame(f, h.buf)
+		if staleHandle(err) {
+			// Nothing of the frame was taken: send it on a new handle.
+			if rerr := h.reopen(f); rerr != nil {
+				return fmt.Errorf("hint %s layer %d: %w (%v)", c, layer, err, rerr)
 			}
+			err = h.writeFrame(h.f.Load(), h.buf)
+		}
+		if errors.Is(err, syscall.EINVAL) {
+			err = h.whyRejected(err)
+		}
+		if err != nil {
 			return fmt.Errorf("hint %s layer %d: %w", c, layer, err)
 		}
 	}
@@ -121,8 +157,8 @@ func (h *Hinter) send(c hints.Class, layer int, rows []uint64) error {
 // rest of a short write again, and the filesystem would decode it as a new
 // stream (a short write means it refused part of the frame and reset the
 // stream), so the write is made here.
-func (h *Hinter) writeFrame(frame []byte) error {
-	rc, err := h.f.SyscallConn()
+func (h *Hinter) writeFrame(f *os.File, frame []byte) error {
+	rc, err := f.SyscallConn()
 	if err != nil {
 		return &os.PathError{Op: "write", Path: h.path, Err: os.ErrClosed}
 	}
@@ -188,7 +224,16 @@ func (h *Hinter) whyRejected(werr error) error {
 func (h *Hinter) readStatus() (hints.Status, error) {
 	var st hints.Status
 	buf := make([]byte, 4096)
-	n, err := h.f.Read(buf) // EINTR is retried by os.File
+	f := h.f.Load()
+	n, err := f.Read(buf) // EINTR is retried by os.File
+	if staleHandle(err) {
+		// The frames of the old handle cannot be waited for any more; the
+		// next ones go to a new handle.
+		if rerr := h.reopen(f); rerr != nil {
+			return st, fmt.Errorf("hint barrier: %w (%v)", err, rerr)
+		}
+		return st, nil
+	}
 	switch {
 	case errors.Is(err, io.EOF) || (err == nil && n == 0):
 		return st, nil // nothing sent since the previous barrier
@@ -233,7 +278,7 @@ func (h *Hinter) Wait() error {
 
 // Close closes the control handle.
 func (h *Hinter) Close() error {
-	if err := h.f.Close(); err != nil {
+	if err := h.f.Load().Close(); err != nil {
 		return fmt.Errorf("hint close: %w", err)
 	}
 	return nil

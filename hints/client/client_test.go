@@ -376,3 +376,40 @@ func main() {
 		t.Fatalf("the program printed %q", out)
 	}
 }
+
+// A handle the daemon no longer knows (EBADF: a successor without it, after
+// a crash) is reopened once: the frame goes out on the new handle, and a
+// barrier on the stale one returns with nothing to wait for.
+func TestReopensAStaleHandle(t *testing.T) {
+	mount, control := fakeMount(t)
+	h, err := Open(mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	stale := func(flag int) {
+		t.Helper()
+		// A write on a read-only descriptor, or a read on a write-only one,
+		// fails with EBADF as a handle the daemon does not know does.
+		f, err := os.OpenFile(control, flag, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.f.Swap(f).Close()
+	}
+	stale(os.O_RDONLY)
+	if err := h.Decode(3, []uint64{7, 8}); err != nil {
+		t.Fatalf("Decode on a stale handle: %v, want it sent on a new one", err)
+	}
+	if got := decodeFile(t, control); len(got) != 1 || !reflect.DeepEqual(got[0].Rows, []uint64{7, 8}) {
+		t.Fatalf("control file holds %+v, want the one frame", got)
+	}
+	stale(os.O_WRONLY)
+	if err := h.Wait(); err != nil {
+		t.Fatalf("barrier on a stale handle: %v, want nothing to wait for", err)
+	}
+	// The reopened handle reads and writes.
+	if err := h.Prefill(1, []uint64{1}); err != nil {
+		t.Fatal(err)
+	}
+}

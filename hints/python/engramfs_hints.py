@@ -93,7 +93,7 @@ class HintRejected(OSError):
 
 
 def _empty_status():
-    return {'frames': 0, 'pages': 0, 'resident': 0, 'pinned': 0, 'dropped': 0, 'failed': 0}
+    return {'frames': 0, 'pages': 0, 'resident': 0, 'pinned': 0, 'dropped': 0, 'failed': 0, 'cached': 0}
 
 
 def _add_status(into, status):
@@ -139,6 +139,10 @@ def _as_u64(rows):
     return memoryview(a).cast('B')
 
 
+# Errors of a handle the daemon no longer knows, while the mount may: the
+# handle is reopened once.
+_STALE = (errno.EBADF, errno.ESTALE, errno.ENOTCONN)
+
 _LIVE = weakref.WeakSet()
 
 
@@ -170,18 +174,26 @@ class Hinter:
         self._pid = os.getpid()
         self._carried = None
 
+    def _reopen(self):
+        """Replace this process's descriptor with a new handle: after a fork
+        (the parent's handle stays the parent's), or when the daemon no
+        longer knows the handle (EBADF: a successor that took the mount over
+        without it; ESTALE; ENOTCONN: a dead mount, remounted since). Frames
+        sent on the old handle are not waited for by the new one's barrier."""
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        self._fd = None
+        self._open()
+        return self._fd
+
     def _handle(self):
         """The fd of this process's own handle, opened again after a fork."""
         if self._fd is None:
             raise ValueError('hinter for %s is closed' % self.path)
         if self._pid != os.getpid():
-            # The parent's handle stays the parent's: drop our copy of it.
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
-            self._open()
+            return self._reopen()
         return self._fd
 
     def prefill(self, layer, rows):
@@ -203,7 +215,13 @@ class Hinter:
             try:
                 status = self._read_status(fd)
             except OSError as e:
-                raise OSError(e.errno, 'hint wait: %s' % e.strerror, self.path) from e
+                if e.errno not in _STALE:
+                    raise OSError(e.errno, 'hint wait: %s' % e.strerror, self.path) from e
+                try:
+                    self._reopen()
+                except OSError as e2:
+                    raise OSError(e.errno, 'hint wait: %s (reopen: %s)' % (e.strerror, e2.strerror), self.path) from e
+                status = _empty_status()  # nothing to wait for on the new handle
             if self._carried is not None:
                 _add_status(self._carried, status)
                 status, self._carried = self._carried, None
@@ -266,7 +284,14 @@ class Hinter:
                 chunk = data[start:start + step]
                 header = _HEADER.pack(_MAGIC, cls, 0, layer, len(chunk) // _ROW)
                 try:
-                    self._write_frame(fd, header, chunk)
+                    try:
+                        self._write_frame(fd, header, chunk)
+                    except OSError as e:
+                        if e.errno not in _STALE:
+                            raise
+                        # Nothing of the frame was taken: send it on a new handle.
+                        fd = self._reopen()
+                        self._write_frame(fd, header, chunk)
                 except OSError as e:
                     if e.errno == errno.EINVAL:
                         raise self._why_rejected(fd, what, e) from e

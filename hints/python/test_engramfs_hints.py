@@ -235,6 +235,22 @@ class HinterTest(unittest.TestCase):
         self.assertIn('hint decode layer 3', str(cm.exception))
         self.assertEqual(cm.exception.filename, self.control)
 
+    def test_reopens_a_stale_handle(self):
+        # A write on a read-only descriptor, or a read on a write-only one,
+        # fails with EBADF as a handle the daemon no longer knows does (a
+        # successor that took the mount over without it): reopened once.
+        with eh.Hinter(self.mount) as h:
+            os.close(h._fd)
+            h._fd = os.open(self.control, os.O_RDONLY)
+            h.decode(3, [7])
+            self.assertEqual(self.written(), frame(1, 3, [7]))
+            os.close(h._fd)
+            h._fd = os.open(self.control, os.O_WRONLY)
+            self.assertEqual(h.wait()['pages'], 0)
+            h.prefill(1, [2])  # the new handle works
+        # (A regular file: the new handle writes from offset 0.)
+        self.assertTrue(self.written().startswith(frame(0, 1, [2])))
+
 
 if __name__ == '__main__':
     unittest.main()

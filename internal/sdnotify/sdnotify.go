@@ -2,14 +2,19 @@
 // the sd_notify protocol: one datagram of newline-separated KEY=VALUE
 // assignments ("READY=1", "STATUS=...", "STOPPING=1") sent to the unix
 // datagram socket named by $NOTIFY_SOCKET. A name starting with '@' is an
-// abstract socket. No library: the protocol is one sendto.
+// abstract socket. No library: the protocol is one sendto (one sendmsg
+// with SCM_RIGHTS for descriptors to keep in the file descriptor store,
+// which the next start of the service finds in $LISTEN_FDS).
 package sdnotify
 
 import (
 	"fmt"
 	"net"
 	"os"
+	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // SocketEnv is the variable that names the socket.
@@ -25,6 +30,18 @@ func Notify(state string) error {
 // NotifySocket sends state to socket (a path, or '@' and an abstract name);
 // an empty socket does nothing.
 func NotifySocket(socket, state string) error {
+	return send(socket, state, nil)
+}
+
+// NotifyFds sends state with descriptors fds to $NOTIFY_SOCKET: with
+// "FDSTORE=1\nFDNAME=name", systemd keeps them across restarts of the
+// service (FileDescriptorStoreMax= must allow them) and passes them to its
+// next start (ListenFds). Without a socket it does nothing.
+func NotifyFds(state string, fds ...int) error {
+	return send(os.Getenv(SocketEnv), state, fds)
+}
+
+func send(socket, state string, fds []int) error {
 	if socket == "" {
 		return nil
 	}
@@ -39,8 +56,54 @@ func NotifySocket(socket, state string) error {
 		return fmt.Errorf("sd_notify: %w", err)
 	}
 	defer conn.Close()
-	if _, err := conn.Write([]byte(state)); err != nil {
+	if len(fds) == 0 {
+		_, err = conn.Write([]byte(state))
+	} else {
+		rc, cerr := conn.SyscallConn()
+		if cerr != nil {
+			return fmt.Errorf("sd_notify: %w", cerr)
+		}
+		if cerr := rc.Write(func(fd uintptr) bool {
+			err = unix.Sendmsg(int(fd), []byte(state), unix.UnixRights(fds...), nil, 0)
+			return err != unix.EAGAIN
+		}); cerr != nil {
+			err = cerr
+		}
+	}
+	if err != nil {
 		return fmt.Errorf("sd_notify: %w", err)
 	}
 	return nil
+}
+
+// Listen-fd variables: the descriptors a service manager passes, from 3 on.
+const (
+	ListenPidEnv   = "LISTEN_PID"
+	ListenFdsEnv   = "LISTEN_FDS"
+	ListenNamesEnv = "LISTEN_FDNAMES"
+	listenFdsStart = 3
+)
+
+// ListenFds returns the descriptors passed to this process under name
+// ($LISTEN_FDS, $LISTEN_FDNAMES, for this pid only), as files. The others
+// are left alone.
+func ListenFds(name string) []*os.File {
+	if pid, err := strconv.Atoi(os.Getenv(ListenPidEnv)); err != nil || pid != os.Getpid() {
+		return nil
+	}
+	n, err := strconv.Atoi(os.Getenv(ListenFdsEnv))
+	if err != nil || n <= 0 {
+		return nil
+	}
+	names := strings.Split(os.Getenv(ListenNamesEnv), ":")
+	var files []*os.File
+	for i := 0; i < n && i < len(names); i++ {
+		if names[i] != name {
+			continue
+		}
+		fd := listenFdsStart + i
+		unix.CloseOnExec(fd)
+		files = append(files, os.NewFile(uintptr(fd), name))
+	}
+	return files
 }

@@ -1,0 +1,397 @@
+package tests
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/hints/client"
+	"github.com/engramfs/engramfs/internal/daemonproc"
+	"github.com/engramfs/engramfs/internal/procfs"
+)
+
+// restartReaderEnv runs the test binary as TestRestartUnderReaders's
+// reader (TestMain): a process of its own, as an engine's rank is.
+const restartReaderEnv = "ENGRAMFS_RESTART_READER"
+
+// restartReaderWork is what the reader is told.
+type restartReaderWork struct {
+	Mount, ModelDir, StopFile, Out string
+	Rows                           int // rows gathered per layer per step
+}
+
+// restartReaderResult is what the reader reports.
+type restartReaderResult struct {
+	Steps  int
+	Errors []string
+	// Each step's start (ns since the epoch) and duration (ns): the hint,
+	// its barrier, and the gather of every row of every table.
+	Start, Took []int64
+}
+
+// TestRestartUnderReaders restarts the daemon 10 times (engramfs restart)
+// under a reader process that, every step, hints rows through the Go client
+// (decode, then the barrier) and gathers them from its mappings of every
+// table, checking each row against the shard: no error, no SIGBUS, every
+// row right; each successor pins the hot set it was handed again (at least
+// 99% of it). The gap a reader sees during a restart (the longest step
+// overlapping each restart, p99 across restarts) and the time to pin are
+// logged, not asserted (a shared machine).
+func TestRestartUnderReaders(t *testing.T) {
+	RequireFUSE(t)
+	spec := backing.DefaultSynth()
+	spec.Rows = 4096
+	dir := Synth(t, spec)
+	runDir := t.TempDir()
+	env := []string{"ENGRAMFS_RUN_DIR=" + runDir}
+	d := start(t, daemonproc.Options{ModelDir: dir, Flags: []string{"--cache-size=32MiB"}, Env: env})
+	mp := d.Mountpoint
+	// Stop whichever daemon serves at the end, before the harness stops
+	// the first one (long gone: it handed over).
+	latest := 0
+	t.Cleanup(func() { stopLatest(t, mp, latest) })
+	handedTo := regexp.MustCompile(`handed the mount to pid (\d+)`)
+
+	stopFile := filepath.Join(t.TempDir(), "stop")
+	out := filepath.Join(t.TempDir(), "result.json")
+	work, _ := json.Marshal(restartReaderWork{Mount: mp, ModelDir: dir, StopFile: stopFile, Out: out, Rows: 16})
+	reader := exec.Command(os.Args[0], "-test.run=^$")
+	reader.Env = append(os.Environ(), restartReaderEnv+"="+string(work))
+	var readerLog syncBuffer
+	reader.Stdout, reader.Stderr = &readerLog, &readerLog
+	if err := reader.Start(); err != nil {
+		t.Fatal(err)
+	}
+	readerDone := make(chan error, 1)
+	go func() { readerDone <- reader.Wait() }()
+	readerExited := false
+	defer func() {
+		if !readerExited {
+			_ = reader.Process.Kill()
+			<-readerDone
+		}
+	}()
+	steps := func() int {
+		st := d.Stats(t)
+		return int(st.HintFrames)
+	}
+	waitFor(t, "the reader's first steps", func() bool { return steps() > 20 })
+
+	const restarts = 10
+	type window struct{ from, to time.Time }
+	var windows []window
+	warmLine := regexp.MustCompile(`warm restart finished.*"pages": (\d+), "pinned": (\d+), "took": "([^"]+)"`)
+	for i := range restarts {
+		before := steps()
+		from := time.Now()
+		cmd := exec.Command(Binary(t), "restart", mp)
+		cmd.Env = append(os.Environ(), env...)
+		b, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("restart %d: %v\n%s\ndaemon log:\n%s", i+1, err, b, d.Log())
+		}
+		windows = append(windows, window{from, time.Now()})
+		if m := handedTo.FindSubmatch(b); m != nil {
+			latest, _ = strconv.Atoi(string(m[1]))
+		}
+		t.Logf("restart %d: %s", i+1, strings.TrimSpace(string(b)))
+		// The successor logs where the first daemon did; it pins the hot
+		// set it was handed before it says the warm restart finished.
+		waitFor(t, fmt.Sprintf("restart %d's warm restart", i+1), func() bool {
+			return len(warmLine.FindAllStringSubmatch(d.Log(), -1)) >= i+1
+		})
+		m := warmLine.FindAllStringSubmatch(d.Log(), -1)[i]
+		pages, _ := strconv.Atoi(m[1])
+		pinned, _ := strconv.Atoi(m[2])
+		if pages == 0 {
+			t.Fatalf("restart %d: the successor was handed no hot set", i+1)
+		}
+		if pinned*100 < pages*99 {
+			t.Errorf("restart %d: %d of %d hot pages pinned again, want at least 99%%", i+1, pinned, pages)
+		}
+		t.Logf("restart %d: %d of %d hot pages pinned again in %s", i+1, pinned, pages, m[3])
+		waitFor(t, fmt.Sprintf("steps after restart %d", i+1), func() bool { return steps() > before+20 })
+	}
+
+	if err := os.WriteFile(stopFile, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-readerDone:
+		readerExited = true
+		if err != nil {
+			// A SIGBUS kills it: "signal: bus error".
+			t.Fatalf("reader: %v\n%s", err, readerLog.String())
+		}
+	case <-time.After(60 * time.Second):
+		t.Fatalf("the reader did not stop within 60 s\n%s", readerLog.String())
+	}
+	var res restartReaderResult
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &res); err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Errors) > 0 {
+		t.Fatalf("the reader saw %d errors across %d restarts: %q\nthe daemons' warnings:\n%s",
+			len(res.Errors), restarts, res.Errors, warnings(d.Log()))
+	}
+	var gaps []time.Duration
+	for _, w := range windows {
+		worst := time.Duration(0)
+		for i := range res.Start {
+			s, e := time.Unix(0, res.Start[i]), time.Unix(0, res.Start[i]+res.Took[i])
+			if e.After(w.from) && s.Before(w.to) {
+				worst = max(worst, time.Duration(res.Took[i]))
+			}
+		}
+		gaps = append(gaps, worst)
+	}
+	all := make([]time.Duration, len(res.Took))
+	for i, d := range res.Took {
+		all[i] = time.Duration(d)
+	}
+	t.Logf("reader: %d steps, 0 errors across %d restarts; step time p50 %v, p99 %v; "+
+		"the gap a reader sees during a restart (its longest step overlapping one) p99 %v, max %v",
+		res.Steps, restarts, quantile(all, 0.5), quantile(all, 0.99), quantile(gaps, 0.99), slices.Max(gaps))
+}
+
+// warnings are the lines of a daemon log above INFO.
+func warnings(log string) string {
+	var b strings.Builder
+	for _, l := range strings.Split(log, "\n") {
+		if l != "" && !strings.Contains(l, "\tINFO\t") && !strings.Contains(l, "\tDEBUG\t") {
+			b.WriteString(l + "\n")
+		}
+	}
+	return b.String()
+}
+
+// stopLatest stops the daemon pid serving mp (a successor the test did
+// not start) and waits for it to exit and the mount to go.
+func stopLatest(t *testing.T, mp string, pid int) {
+	if pid == 0 {
+		return
+	}
+	_ = syscall.Kill(pid, syscall.SIGTERM)
+	deadline := time.Now().Add(30 * time.Second)
+	for procfs.Alive(pid) || procfs.Mounted(mp) {
+		if time.Now().After(deadline) {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+			_ = unix.Unmount(mp, unix.MNT_DETACH)
+			t.Errorf("the last daemon (pid %d) did not stop within 30 s of SIGTERM", pid)
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// runRestartReader is the reader of TestRestartUnderReaders: it steps until
+// the stop file appears, then writes its result.
+func runRestartReader(arg string) error {
+	var w restartReaderWork
+	if err := json.Unmarshal([]byte(arg), &w); err != nil {
+		return err
+	}
+	m, err := backing.Load(w.ModelDir, backing.DefaultTablePattern)
+	if err != nil {
+		return err
+	}
+	h, err := client.Open(w.Mount)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	maps := make([][]byte, len(m.Tables))
+	shards := map[string]*os.File{}
+	for _, tb := range m.Tables {
+		f, err := os.Open(filepath.Join(w.Mount, tb.Path()))
+		if err != nil {
+			return err
+		}
+		b, err := unix.Mmap(int(f.Fd()), 0, int(tb.FileSize), unix.PROT_READ, unix.MAP_SHARED)
+		f.Close()
+		if err != nil {
+			return err
+		}
+		defer unix.Munmap(b)
+		maps[tb.ID] = b
+		if shards[tb.Shard.Path] == nil {
+			if shards[tb.Shard.Path], err = os.Open(tb.Shard.Path); err != nil {
+				return err
+			}
+		}
+	}
+	var res restartReaderResult
+	fail := func(format string, a ...any) {
+		if len(res.Errors) < 100 {
+			res.Errors = append(res.Errors, fmt.Sprintf(format, a...))
+		}
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	want := make([]byte, 64<<10)
+	got := make([]byte, 64<<10)
+	for step := 0; ; step++ {
+		if _, err := os.Stat(w.StopFile); err == nil {
+			break
+		}
+		t0 := time.Now()
+		for _, layer := range m.Layers {
+			rows, _ := m.LayerRows(layer)
+			pick := make([]uint64, w.Rows)
+			for i := range pick {
+				// A few hundred popular rows: the hot set the tier keeps.
+				pick[i] = uint64(rng.IntN(512)) * 7 % rows
+			}
+			if err := h.Decode(layer, pick); err != nil {
+				fail("step %d layer %d: hint: %v", step, layer, err)
+			}
+			if err := h.Wait(); err != nil {
+				fail("step %d layer %d: barrier: %v", step, layer, err)
+			}
+			for _, tb := range m.LayerTables(layer) {
+				for _, r := range pick {
+					off := int64(len(tb.FileHeader)) + int64(r)*tb.RowBytes
+					n := copy(got, maps[tb.ID][off:off+tb.RowBytes])
+					if _, err := shards[tb.Shard.Path].ReadAt(want[:n], tb.DataStart+int64(r)*tb.RowBytes); err != nil {
+						return err
+					}
+					if !bytes.Equal(got[:n], want[:n]) {
+						fail("step %d: %s row %d: wrong bytes through the mapping", step, tb.Name, r)
+					}
+				}
+			}
+		}
+		res.Start = append(res.Start, t0.UnixNano())
+		res.Took = append(res.Took, int64(time.Since(t0)))
+		res.Steps++
+	}
+	b, err := json.Marshal(res)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(w.Out, b, 0o644)
+}
+
+// TestCrashTakeoverFromFdStore: a daemon that dies (SIGKILL) leaves the
+// mount alive when the service manager keeps its FUSE connection
+// (FDSTORE=1 over $NOTIFY_SOCKET; played here by the test): the next start,
+// handed the connection in $LISTEN_FDS, takes the mount over, and a file
+// opened and mapped before the crash reads the right bytes, cold pages
+// included, with no error.
+func TestCrashTakeoverFromFdStore(t *testing.T) {
+	RequireFUSE(t)
+	spec := backing.DefaultSynth()
+	spec.Rows = 1024
+	dir := Synth(t, spec)
+	sock := filepath.Join(t.TempDir(), "notify")
+	ln, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: sock, Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	env := []string{"NOTIFY_SOCKET=" + sock, "ENGRAMFS_RUN_DIR=" + t.TempDir()}
+	a := start(t, daemonproc.Options{ModelDir: dir, Flags: []string{"--cache-size=8MiB"}, Env: env})
+	mp := a.Mountpoint
+	var stored *os.File
+	deadline := time.Now().Add(30 * time.Second)
+	for stored == nil {
+		_ = ln.SetReadDeadline(deadline)
+		buf, oob := make([]byte, 4096), make([]byte, 64)
+		n, oobn, _, _, err := ln.ReadMsgUnix(buf, oob)
+		if err != nil {
+			t.Fatalf("no FDSTORE=1 from the daemon: %v", err)
+		}
+		if !strings.Contains(string(buf[:n]), "FDSTORE=1") {
+			continue
+		}
+		msgs, _ := unix.ParseSocketControlMessage(oob[:oobn])
+		if len(msgs) != 1 {
+			t.Fatalf("FDSTORE=1 came with %d control messages", len(msgs))
+		}
+		fds, err := unix.ParseUnixRights(&msgs[0])
+		if err != nil || len(fds) != 1 {
+			t.Fatalf("FDSTORE=1 rights: %v, %v", fds, err)
+		}
+		stored = os.NewFile(uintptr(fds[0]), "fdstore")
+	}
+	defer stored.Close()
+
+	m := Model(t, dir)
+	tb := m.Tables[len(m.Tables)-1]
+	want := ShardTable(t, dir, tb.Name)
+	f, err := os.Open(filepath.Join(mp, tb.Path()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	mapped, err := unix.Mmap(int(f.Fd()), 0, int(tb.FileSize), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mapped)
+	hdr := len(tb.FileHeader)
+	if !bytes.Equal(mapped[hdr:hdr+100], want[:100]) {
+		t.Fatal("wrong bytes before the crash")
+	}
+
+	if err := a.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	<-a.Exited()
+
+	// The next start, as systemd makes it: the kept descriptor as fd 3.
+	var log syncBuffer
+	b := exec.Command("sh", "-c", `LISTEN_PID=$$ exec "$0" "$@"`, Binary(t), "mount", "--cache-size=8MiB", dir, mp)
+	b.Env = append(os.Environ(), append(env, "LISTEN_FDS=1", "LISTEN_FDNAMES=engramfs-fuse")...)
+	b.ExtraFiles = []*os.File{stored}
+	b.Stdout, b.Stderr = &log, &log
+	if err := b.Start(); err != nil {
+		t.Fatal(err)
+	}
+	bDone := make(chan error, 1)
+	go func() { bDone <- b.Wait() }()
+	t.Cleanup(func() { stopLatest(t, mp, b.Process.Pid) })
+	waitFor(t, "the next start to take the mount over", func() bool {
+		select {
+		case err := <-bDone:
+			t.Fatalf("the next start exited: %v\n%s", err, log.String())
+		default:
+		}
+		return strings.Contains(log.String(), "took the mount over from the service manager")
+	})
+	// Every page of the mapping made before the crash, through a system
+	// call (see fs's handover test: no Go fault on a FUSE page in a test).
+	got := make([]byte, len(want))
+	scratch, err := os.CreateTemp(t.TempDir(), "table")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer scratch.Close()
+	if _, err := scratch.WriteAt(mapped[hdr:hdr+len(want)], 0); err != nil {
+		t.Fatalf("reading the mapping after the crash: %v", err)
+	}
+	if _, err := scratch.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the mapping made before the crash reads wrong bytes after the takeover")
+	}
+}
