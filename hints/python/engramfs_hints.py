@@ -93,7 +93,7 @@ class HintRejected(OSError):
 
 
 def _empty_status():
-    return {'frames': 0, 'pages': 0, 'resident': 0, 'pinned': 0, 'dropped': 0, 'failed': 0, 'cached': 0}
+    return {'frames': 0, 'pages': 0, 'resident': 0, 'pinned': 0, 'dropped': 0, 'failed': 0}
 
 
 def _add_status(into, status):
