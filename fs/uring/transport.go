@@ -1,0 +1,278 @@
+// Package uring serves a FUSE mount's requests from io_uring queues, one per
+// possible CPU (FUSE-over-io_uring, Linux 6.14+, behind the fuse module's
+// enable_uring parameter), beside go-fuse's /dev/fuse server, which keeps
+// the mount, INIT, the daemon's notifications (NOTIFY_STORE), FORGET and
+// INTERRUPT: the kernel sends those through /dev/fuse whatever the
+// transport.
+//
+// A Transport is handed to fs.Server, which calls Prepare before mounting
+// (the rings are made, and FUSE_OVER_IO_URING is asked for in INIT only if
+// they were), Start once INIT is answered (every queue registers; the
+// kernel serves nothing until all have), and Stop after unmounting. Where
+// the rings cannot be had, mode auto leaves the mount on /dev/fuse and says
+// why, once, in the log and in the fuse_transport stat; mode uring fails
+// the mount instead. Nothing waits without a deadline: a queue that does
+// not register in time is given up, and a REGISTER that fails makes the
+// kernel serve /dev/fuse instead, before the mount is reported up.
+package uring
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"go.uber.org/zap"
+
+	"github.com/engramfs/engramfs/internal/stats"
+)
+
+// Mode is what --fuse-transport asks for.
+type Mode string
+
+const (
+	// Auto serves from the rings where the kernel offers them and every
+	// queue registers, else from /dev/fuse.
+	Auto Mode = "auto"
+	// Rings requires the rings: the mount fails without them.
+	Rings Mode = "uring"
+	// Dev serves from /dev/fuse only.
+	Dev Mode = "dev"
+)
+
+// ParseMode checks a --fuse-transport value.
+func ParseMode(s string) (Mode, error) {
+	switch m := Mode(s); m {
+	case Auto, Rings, Dev:
+		return m, nil
+	}
+	return "", fmt.Errorf("unknown FUSE transport %q (want auto, uring or dev)", s)
+}
+
+const (
+	// maxDepth entries a queue: requests past them wait in the kernel for
+	// an entry of their CPU's queue. Each entry holds a payload buffer of
+	// max_write (256 KiB here), populated and locked.
+	maxDepth = 16
+	minDepth = 2
+	// ringMemory bounds the payload memory of all queues together: on a
+	// machine with many possible CPUs the depth shrinks instead.
+	ringMemory = 64 << 20
+	// deadline bounds each phase (making the rings, registering them): a
+	// queue whose thread has not answered by then is given up, and the
+	// mount falls back (auto) or fails (uring) instead of hanging.
+	deadline = 10 * time.Second
+)
+
+// Transport is the rings of one mount.
+type Transport struct {
+	mode Mode
+	log  *zap.Logger
+	st   *stats.Counters
+
+	payload int // bytes of each entry's payload buffer
+	fd      int // /dev/fuse, once Start knows it
+	queues  []*queue
+
+	once  sync.Once // the fallback is logged once
+	state atomic.Pointer[string]
+
+	requests, commits, enters, wakeups atomic.Uint64
+}
+
+// New returns the transport of one mount; st (may be nil) hears which
+// transport serves it, as fuse_transport.
+func New(mode Mode, st *stats.Counters, log *zap.Logger) *Transport {
+	if log == nil {
+		log = zap.NewNop()
+	}
+	t := &Transport{mode: mode, st: st, log: log, fd: -1}
+	t.set(string(Dev))
+	return t
+}
+
+// State is what serves the mount: "uring", "dev", or "dev: <why the rings
+// are not used>".
+func (t *Transport) State() string { return *t.state.Load() }
+
+func (t *Transport) set(s string) {
+	t.state.Store(&s)
+	if t.st != nil {
+		t.st.SetFuseTransport(s)
+	}
+}
+
+// Serving reports whether the rings serve the mount.
+func (t *Transport) Serving() bool { return t.State() == string(Rings) }
+
+// giveUp records why the rings are not used: an error in mode uring, a
+// logged fallback in mode auto.
+func (t *Transport) giveUp(why error) error {
+	t.stopQueues()
+	t.set("dev: " + why.Error())
+	if t.mode == Rings {
+		return fmt.Errorf("--fuse-transport uring: %w", why)
+	}
+	t.once.Do(func() {
+		t.log.Info("FUSE requests served from /dev/fuse, not io_uring", zap.String("why", why.Error()))
+	})
+	return nil
+}
+
+// Prepare makes the rings before mounting and, if every queue has one,
+// asks for FUSE_OVER_IO_URING in opts. It fails only in mode uring.
+func (t *Transport) Prepare(opts *fuse.MountOptions) error {
+	if t.mode == Dev {
+		return nil
+	}
+	if err := checkLayout(); err != nil {
+		return t.giveUp(err)
+	}
+	on, err := enabled()
+	if err != nil {
+		return t.giveUp(err)
+	}
+	if !on {
+		return t.giveUp(errors.New("the fuse module's enable_uring is off (" + enableUringSys + ")"))
+	}
+	n, err := numPossibleCPUs()
+	if err != nil {
+		return t.giveUp(err)
+	}
+	maxWrite := opts.MaxWrite
+	if maxWrite <= 0 {
+		maxWrite = 128 << 10 // go-fuse's default
+	}
+	page := 4096
+	t.payload = max(minPayload, (maxWrite+page-1)/page*page)
+	depth := min(maxDepth, max(minDepth, ringMemory/(n*t.payload)))
+	t.queues = make([]*queue, n)
+	for i := range t.queues {
+		t.queues[i] = newQueue(t, i, depth)
+		go t.queues[i].run()
+	}
+	timeout := time.After(deadline)
+	for _, q := range t.queues {
+		select {
+		case err := <-q.setupErr:
+			if err != nil {
+				return t.giveUp(fmt.Errorf("queue %d: %w", q.qid, err))
+			}
+		case <-timeout:
+			return t.giveUp(fmt.Errorf("queue %d: no ring after %v", q.qid, deadline))
+		}
+	}
+	opts.ExtraCapabilities |= fuse.CAP_OVER_IO_URING
+	return nil
+}
+
+// Start registers every queue once srv has answered INIT, before srv's
+// mount is used. If the kernel did not take FUSE_OVER_IO_URING, or a queue
+// does not register, the mount stays on (or falls back to) /dev/fuse. It
+// fails only in mode uring; the caller then unmounts.
+func (t *Transport) Start(srv *fuse.Server) error {
+	if len(t.queues) == 0 {
+		return nil // Prepare gave up, or mode dev
+	}
+	if srv.KernelSettings().Flags64()&fuse.CAP_OVER_IO_URING == 0 {
+		return t.giveUp(errors.New("the kernel did not offer FUSE_OVER_IO_URING in INIT"))
+	}
+	fd, err := fuseFD(srv)
+	if err != nil {
+		return t.giveUp(t.fallback(err))
+	}
+	t.fd = fd
+	ps := protocolServer(srv)
+	for _, q := range t.queues {
+		q.start <- ps
+	}
+	timeout := time.After(deadline)
+	for _, q := range t.queues {
+		select {
+		case err := <-q.regErr:
+			if err != nil {
+				// The kernel fell back itself when a REGISTER failed; a
+				// queue that failed before it reached the kernel needs
+				// the fallback forced.
+				return t.giveUp(t.fallback(err))
+			}
+		case <-timeout:
+			if q.state.CompareAndSwap(statePending, stateAbandoned) {
+				return t.giveUp(t.fallback(fmt.Errorf("queue %d: not registered after %v", q.qid, deadline)))
+			}
+			// It is registering now: its answer is a system call away.
+			if err := <-q.regErr; err != nil {
+				return t.giveUp(t.fallback(err))
+			}
+		}
+	}
+	t.set(string(Rings))
+	t.log.Info("FUSE requests served from io_uring", zap.Int("queues", len(t.queues)), zap.Int("depth", t.queues[0].depth))
+	return nil
+}
+
+// fallback makes sure the kernel has given the rings up (see forceFallback)
+// and returns why.
+func (t *Transport) fallback(why error) error {
+	// Queues still pending must not register after this.
+	for _, q := range t.queues {
+		q.state.CompareAndSwap(statePending, stateAbandoned)
+	}
+	if t.fd >= 0 {
+		if err := forceFallback(t.fd); err != nil {
+			return fmt.Errorf("%w; and the fallback to /dev/fuse failed: %v", why, err)
+		}
+	}
+	return why
+}
+
+// stopQueues ends queues that serve nothing (before or instead of
+// serving): their threads close their rings and exit.
+func (t *Transport) stopQueues() {
+	for _, q := range t.queues {
+		select {
+		case q.start <- nil:
+		default:
+		}
+		q.stop()
+	}
+	t.queues = nil
+}
+
+// Stop ends queues that serve nothing, and waits, up to a deadline, for
+// the serving ones to end once the mount is gone (the kernel ends every
+// entry at unmount). A mount detached lazily may still be served: its
+// queues are left running.
+func (t *Transport) Stop() {
+	if !t.Serving() {
+		t.stopQueues()
+		return
+	}
+	timeout := time.After(deadline)
+	for _, q := range t.queues {
+		select {
+		case <-q.done:
+		case <-timeout:
+			t.log.Warn("fuse ring queues still serving after unmount (a lazily detached mount still in use?)")
+			return
+		}
+	}
+	st := t.Stats()
+	t.log.Info("fuse ring queues ended", zap.Uint64("requests", st.Requests), zap.Uint64("commits", st.Commits),
+		zap.Uint64("enters", st.Enters), zap.Uint64("wakeups", st.Wakeups))
+}
+
+// Stats are the transport's own counters.
+type Stats struct {
+	Requests uint64 // requests served from the rings
+	Commits  uint64 // answers committed
+	Enters   uint64 // io_uring_enter calls of the queues' threads
+	Wakeups  uint64 // eventfd writes that woke a queue's thread
+}
+
+// Stats returns the transport's counters.
+func (t *Transport) Stats() Stats {
+	return Stats{t.requests.Load(), t.commits.Load(), t.enters.Load(), t.wakeups.Load()}
+}
