@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"reflect"
+	"runtime"
 	"strconv"
 	"strings"
 	"unsafe"
@@ -167,6 +168,9 @@ func (r *ring) registerFile(fd int) error {
 // iovec, so it fails as it is submitted: nothing is parked on the calling
 // thread.
 func forceFallback(fd int) error {
+	// The ring is single-issuer: made, entered and closed on one thread.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	r, err := newRing(2)
 	if err != nil {
 		return err

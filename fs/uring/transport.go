@@ -115,6 +115,11 @@ func (t *Transport) giveUp(why error) error {
 	if t.mode == Rings {
 		return fmt.Errorf("--fuse-transport uring: %w", why)
 	}
+	if errors.Is(why, errStuck) {
+		// The kernel waits for rings that will never be ready: every
+		// request would hang. Only unmounting ends that.
+		return why
+	}
 	t.once.Do(func() {
 		t.log.Info("FUSE requests served from /dev/fuse, not io_uring", zap.String("why", why.Error()))
 	})
@@ -222,11 +227,14 @@ func (t *Transport) fallback(why error) error {
 	}
 	if t.fd >= 0 {
 		if err := forceFallback(t.fd); err != nil {
-			return fmt.Errorf("%w; and the fallback to /dev/fuse failed: %v", why, err)
+			return fmt.Errorf("%w: %v; and the fallback to /dev/fuse failed: %v", errStuck, why, err)
 		}
 	}
 	return why
 }
+
+// errStuck is a fallback that did not happen: the mount must go.
+var errStuck = errors.New("FUSE over io_uring negotiated but not served")
 
 // stopQueues ends queues that serve nothing (before or instead of
 // serving): their threads close their rings and exit.
