@@ -28,7 +28,7 @@ const enableUringParam = "/sys/module/fuse/parameters/enable_uring"
 
 // setEnableUring sets the fuse module's enable_uring to on for the rest of
 // the test, or skips the test where that cannot be done.
-func setEnableUring(t *testing.T, on bool) {
+func setEnableUring(t testing.TB, on bool) {
 	t.Helper()
 	RequireFUSE(t)
 	old, err := os.ReadFile(enableUringParam)

@@ -74,12 +74,13 @@ type Transport struct {
 
 	payload int // bytes of each entry's payload buffer
 	fd      int // /dev/fuse, once Start knows it
-	queues  []*queue
+	depth   int // entries (and threads) a queue
+	entries []*entry
 
 	once  sync.Once // the fallback is logged once
 	state atomic.Pointer[string]
 
-	requests, commits, enters, wakeups atomic.Uint64
+	requests, enters atomic.Uint64
 }
 
 // New returns the transport of one mount; st (may be nil) hears which
@@ -152,21 +153,23 @@ func (t *Transport) Prepare(opts *fuse.MountOptions) error {
 	}
 	page := 4096
 	t.payload = max(minPayload, (maxWrite+page-1)/page*page)
-	depth := min(maxDepth, max(minDepth, ringMemory/(n*t.payload)))
-	t.queues = make([]*queue, n)
-	for i := range t.queues {
-		t.queues[i] = newQueue(t, i, depth)
-		go t.queues[i].run()
+	t.depth = min(maxDepth, max(minDepth, ringMemory/(n*t.payload)))
+	for qid := range n {
+		for range t.depth {
+			e := newEntry(t, qid)
+			t.entries = append(t.entries, e)
+			go e.run()
+		}
 	}
 	timeout := time.After(deadline)
-	for _, q := range t.queues {
+	for _, e := range t.entries {
 		select {
-		case err := <-q.setupErr:
+		case err := <-e.setupErr:
 			if err != nil {
-				return t.giveUp(fmt.Errorf("queue %d: %w", q.qid, err))
+				return t.giveUp(fmt.Errorf("queue %d: %w", e.qid, err))
 			}
 		case <-timeout:
-			return t.giveUp(fmt.Errorf("queue %d: no ring after %v", q.qid, deadline))
+			return t.giveUp(fmt.Errorf("queue %d: no ring after %v", e.qid, deadline))
 		}
 	}
 	opts.ExtraCapabilities |= fuse.CAP_OVER_IO_URING
@@ -178,7 +181,7 @@ func (t *Transport) Prepare(opts *fuse.MountOptions) error {
 // does not register, the mount stays on (or falls back to) /dev/fuse. It
 // fails only in mode uring; the caller then unmounts.
 func (t *Transport) Start(srv *fuse.Server) error {
-	if len(t.queues) == 0 {
+	if len(t.entries) == 0 {
 		return nil // Prepare gave up, or mode dev
 	}
 	if srv.KernelSettings().Flags64()&fuse.CAP_OVER_IO_URING == 0 {
@@ -190,40 +193,40 @@ func (t *Transport) Start(srv *fuse.Server) error {
 	}
 	t.fd = fd
 	ps := protocolServer(srv)
-	for _, q := range t.queues {
-		q.start <- ps
+	for _, e := range t.entries {
+		e.start <- ps
 	}
 	timeout := time.After(deadline)
-	for _, q := range t.queues {
+	for _, e := range t.entries {
 		select {
-		case err := <-q.regErr:
+		case err := <-e.regErr:
 			if err != nil {
-				// The kernel fell back itself when a REGISTER failed; a
-				// queue that failed before it reached the kernel needs
+				// The kernel fell back itself when a REGISTER failed; an
+				// entry that failed before it reached the kernel needs
 				// the fallback forced.
 				return t.giveUp(t.fallback(err))
 			}
 		case <-timeout:
-			if q.state.CompareAndSwap(statePending, stateAbandoned) {
-				return t.giveUp(t.fallback(fmt.Errorf("queue %d: not registered after %v", q.qid, deadline)))
+			if e.state.CompareAndSwap(statePending, stateAbandoned) {
+				return t.giveUp(t.fallback(fmt.Errorf("queue %d: not registered after %v", e.qid, deadline)))
 			}
 			// It is registering now: its answer is a system call away.
-			if err := <-q.regErr; err != nil {
+			if err := <-e.regErr; err != nil {
 				return t.giveUp(t.fallback(err))
 			}
 		}
 	}
 	t.set(string(Rings))
-	t.log.Info("FUSE requests served from io_uring", zap.Int("queues", len(t.queues)), zap.Int("depth", t.queues[0].depth))
+	t.log.Info("FUSE requests served from io_uring", zap.Int("queues", len(t.entries)/t.depth), zap.Int("depth", t.depth))
 	return nil
 }
 
 // fallback makes sure the kernel has given the rings up (see forceFallback)
 // and returns why.
 func (t *Transport) fallback(why error) error {
-	// Queues still pending must not register after this.
-	for _, q := range t.queues {
-		q.state.CompareAndSwap(statePending, stateAbandoned)
+	// Entries still pending must not register after this.
+	for _, e := range t.entries {
+		e.state.CompareAndSwap(statePending, stateAbandoned)
 	}
 	if t.fd >= 0 {
 		if err := forceFallback(t.fd); err != nil {
@@ -236,17 +239,17 @@ func (t *Transport) fallback(why error) error {
 // errStuck is a fallback that did not happen: the mount must go.
 var errStuck = errors.New("FUSE over io_uring negotiated but not served")
 
-// stopQueues ends queues that serve nothing (before or instead of
-// serving): their threads close their rings and exit.
+// stopQueues ends the threads of entries that never registered (before or
+// instead of serving): they close their rings and exit. Entries parked
+// before a fallback stay parked, unused, until the unmount ends them.
 func (t *Transport) stopQueues() {
-	for _, q := range t.queues {
+	for _, e := range t.entries {
 		select {
-		case q.start <- nil:
+		case e.start <- nil:
 		default:
 		}
-		q.stop()
 	}
-	t.queues = nil
+	t.entries = nil
 }
 
 // Stop ends queues that serve nothing, and waits, up to a deadline, for
@@ -259,28 +262,25 @@ func (t *Transport) Stop() {
 		return
 	}
 	timeout := time.After(deadline)
-	for _, q := range t.queues {
+	for _, e := range t.entries {
 		select {
-		case <-q.done:
+		case <-e.done:
 		case <-timeout:
 			t.log.Warn("fuse ring queues still serving after unmount (a lazily detached mount still in use?)")
 			return
 		}
 	}
 	st := t.Stats()
-	t.log.Info("fuse ring queues ended", zap.Uint64("requests", st.Requests), zap.Uint64("commits", st.Commits),
-		zap.Uint64("enters", st.Enters), zap.Uint64("wakeups", st.Wakeups))
+	t.log.Info("fuse ring queues ended", zap.Uint64("requests", st.Requests), zap.Uint64("enters", st.Enters))
 }
 
 // Stats are the transport's own counters.
 type Stats struct {
 	Requests uint64 // requests served from the rings
-	Commits  uint64 // answers committed
-	Enters   uint64 // io_uring_enter calls of the queues' threads
-	Wakeups  uint64 // eventfd writes that woke a queue's thread
+	Enters   uint64 // io_uring_enter calls of the entries' threads
 }
 
 // Stats returns the transport's counters.
 func (t *Transport) Stats() Stats {
-	return Stats{t.requests.Load(), t.commits.Load(), t.enters.Load(), t.wakeups.Load()}
+	return Stats{t.requests.Load(), t.enters.Load()}
 }
