@@ -13,6 +13,8 @@ import (
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/internal/ioring"
 )
 
 // The FUSE-over-io_uring protocol, include/uapi/linux/fuse.h (7.42) and
@@ -153,7 +155,7 @@ func fuseFD(srv *fuse.Server) (int, error) {
 // names it so, and the ring holds its own reference to /dev/fuse.
 func (r *ring) registerFile(fd int) error {
 	fds := []int32{int32(fd)}
-	_, _, errno := unix.Syscall6(unix.SYS_IO_URING_REGISTER, uintptr(r.fd), registerFiles, uintptr(unsafe.Pointer(&fds[0])), 1, 0, 0)
+	_, _, errno := unix.Syscall6(unix.SYS_IO_URING_REGISTER, uintptr(r.FD), registerFiles, uintptr(unsafe.Pointer(&fds[0])), 1, 0, 0)
 	if errno != 0 {
 		return fmt.Errorf("io_uring_register(FILES): %w", errno)
 	}
@@ -175,18 +177,18 @@ func forceFallback(fd int) error {
 	if err != nil {
 		return err
 	}
-	defer r.close()
-	s := r.next()
+	defer r.Close()
+	s := r.Next()
 	s.opcode = opUringCmd
 	s.fd = int32(fd)
 	s.off = cmdRegister
 	s.len = 0 // the kernel wants 2 iovecs: EINVAL
-	r.publish()
-	if _, err := r.enter(1, 1, enterGetEvents); err != nil {
+	r.Publish()
+	if _, err := r.Enter(1, 1, ioring.EnterGetEvents); err != nil {
 		return fmt.Errorf("io_uring_enter: %w", err)
 	}
-	c := r.reap(nil)
-	if len(c) != 1 || c[0].res >= 0 {
+	c := r.Reap(nil)
+	if len(c) != 1 || c[0].Res >= 0 {
 		return fmt.Errorf("a REGISTER meant to fail completed as %+v", c)
 	}
 	return nil

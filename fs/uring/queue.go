@@ -12,6 +12,8 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/internal/ioring"
 )
 
 // Registration states of an entry: its thread moves pending → registering
@@ -140,7 +142,7 @@ func (e *entry) setup() error {
 // frees the buffers: until the ring is closed the kernel may write them.
 func (e *entry) release() {
 	if e.r != nil {
-		e.r.close()
+		e.r.Close()
 	}
 	if e.hdrMap != nil {
 		_ = unix.Munmap(e.hdrMap)
@@ -159,13 +161,13 @@ func (e *entry) register() error {
 		return err
 	}
 	e.push(cmdRegister, 0)
-	if _, err := e.r.enter(1, 0, 0); err != nil {
+	if _, err := e.r.Enter(1, 0, 0); err != nil {
 		return fmt.Errorf("queue %d: io_uring_enter: %w", e.qid, err)
 	}
-	if c := e.r.reap(nil); len(c) > 0 {
-		return fmt.Errorf("queue %d: REGISTER: %w", e.qid, syscall.Errno(-c[0].res))
+	if c := e.r.Reap(nil); len(c) > 0 {
+		return fmt.Errorf("queue %d: REGISTER: %w", e.qid, syscall.Errno(-c[0].Res))
 	}
-	if e.r.unsubmitted() > 0 {
+	if e.r.Unsubmitted() > 0 {
 		return fmt.Errorf("queue %d: the kernel did not take the REGISTER", e.qid)
 	}
 	return nil
@@ -174,7 +176,7 @@ func (e *entry) register() error {
 // push writes the entry's URING_CMD.
 func (e *entry) push(cmd uint32, commitID uint64) {
 	e.lastCmd = cmd
-	s := e.r.next()
+	s := e.r.Next()
 	s.opcode = opUringCmd
 	s.flags = sqeFixedFile
 	s.off = uint64(cmd)
@@ -183,7 +185,7 @@ func (e *entry) push(cmd uint32, commitID uint64) {
 		s.len = 2
 	}
 	cmdReq(s, commitID, uint16(e.qid))
-	e.r.publish()
+	e.r.Publish()
 }
 
 // serve is the entry's loop: sleep in enter until a request comes, serve
@@ -192,9 +194,9 @@ func (e *entry) push(cmd uint32, commitID uint64) {
 // false when it gave up with the ring in an unknown state: the buffers
 // then stay mapped.
 func (e *entry) serve(ps *fuse.ProtocolServer) bool {
-	var cqes []cqe
+	var cqes []ioring.CQE
 	for {
-		_, err := e.r.enter(e.r.unsubmitted(), 1, enterGetEvents)
+		_, err := e.r.Enter(e.r.Unsubmitted(), 1, ioring.EnterGetEvents)
 		e.t.enters.Add(1)
 		if err != nil && !errors.Is(err, unix.EINTR) && !errors.Is(err, unix.EAGAIN) && !errors.Is(err, unix.EBUSY) {
 			// Nothing a retry changes (EBADF, EFAULT, EPERM): this entry's
@@ -202,21 +204,21 @@ func (e *entry) serve(ps *fuse.ProtocolServer) bool {
 			e.t.log.Error("fuse ring thread failed: a request of its queue may stall until unmount", zap.Int("queue", e.qid), zap.Error(err))
 			return false
 		}
-		cqes = e.r.reap(cqes[:0])
+		cqes = e.r.Reap(cqes[:0])
 		for _, c := range cqes {
 			hdr := e.hdrMap[:hdrSize]
 			switch {
-			case c.res == 0:
+			case c.Res == 0:
 				e.t.requests.Add(1)
 				e.handle(ps, hdr)
 				e.push(cmdCommitAndFetch, binary.LittleEndian.Uint64(hdr[hdrCommitID:]))
-			case c.res == -int32(unix.EINTR) || c.res == -int32(unix.EAGAIN):
+			case c.Res == -int32(unix.EINTR) || c.Res == -int32(unix.EAGAIN):
 				e.push(e.lastCmd, binary.LittleEndian.Uint64(hdr[hdrCommitID:]))
 			default:
 				// ENOTCONN: the mount is gone; anything else ends the
 				// entry too, and is worth a line.
-				if c.res != -int32(unix.ENOTCONN) && c.res != -int32(unix.ECONNABORTED) {
-					e.t.log.Warn("fuse ring entry ended", zap.Int("queue", e.qid), zap.Error(syscall.Errno(-c.res)))
+				if c.Res != -int32(unix.ENOTCONN) && c.Res != -int32(unix.ECONNABORTED) {
+					e.t.log.Warn("fuse ring entry ended", zap.Int("queue", e.qid), zap.Error(syscall.Errno(-c.Res)))
 				}
 				return true
 			}
