@@ -61,7 +61,6 @@ type entry struct {
 	start    chan *fuse.ProtocolServer // nil: end without registering
 	setupErr chan error
 	regErr   chan error
-	done     chan struct{}
 }
 
 func newEntry(t *Transport, qid int) *entry {
@@ -70,7 +69,6 @@ func newEntry(t *Transport, qid int) *entry {
 		start:    make(chan *fuse.ProtocolServer, 1),
 		setupErr: make(chan error, 1),
 		regErr:   make(chan error, 1),
-		done:     make(chan struct{}),
 	}
 }
 
@@ -79,7 +77,6 @@ func (e *entry) run() {
 	// Never unlocked: the thread ends with the goroutine, and with it
 	// anything the kernel still meant for it.
 	runtime.LockOSThread()
-	defer close(e.done)
 	err := e.setup()
 	e.setupErr <- err
 	if err != nil {
@@ -115,12 +112,25 @@ func (e *entry) setup() error {
 	if e.r, err = newRing(2); err != nil {
 		return err
 	}
-	// The buffers are the daemon's own anonymous memory, populated and
-	// (where allowed) locked now: the kernel copies requests into them from
-	// the thread's task work, and a page fault there takes the daemon's
-	// mmap_lock, which the pin worker's populate of our own mount may hold
-	// while it waits for a READ this very thread has to deliver
-	// (docs/design.md, the MADV_POPULATE_READ fact).
+	// A NOP through io_uring_enter: a sandbox may allow io_uring_setup and
+	// refuse io_uring_enter, and that must be known before INIT asks the
+	// kernel for rings, or nothing could register, nor force the fallback.
+	e.r.Next().opcode = opNop
+	e.r.Publish()
+	if _, err := e.r.Enter(1, 1, ioring.EnterGetEvents); err != nil {
+		return fmt.Errorf("io_uring_enter: %w", err)
+	}
+	if c := e.r.Reap(nil); len(c) != 1 || c[0].Res != 0 {
+		return fmt.Errorf("io_uring: a NOP completed as %+v", c)
+	}
+	// The buffers are the daemon's own anonymous memory, populated now: the
+	// kernel copies requests into them from the thread's task work, and a
+	// page fault there takes the daemon's mmap_lock, which the pin worker's
+	// populate of our own mount may hold while it waits for a READ this
+	// very thread has to deliver (docs/design.md, the MADV_POPULATE_READ
+	// fact). Not locked: the daemon's locked memory is the hot tier's
+	// budget (cache_used_bytes, RLIMIT_MEMLOCK), and 256 KiB an entry
+	// locked showed up as 8 MiB over it.
 	const prot = unix.PROT_READ | unix.PROT_WRITE
 	const flags = unix.MAP_PRIVATE | unix.MAP_ANONYMOUS | unix.MAP_POPULATE
 	if e.hdrMap, err = unix.Mmap(-1, 0, unix.Getpagesize(), prot, flags); err != nil {
@@ -129,8 +139,6 @@ func (e *entry) setup() error {
 	if e.payload, err = unix.Mmap(-1, 0, e.t.payload, prot, flags); err != nil {
 		return fmt.Errorf("ring payload: %w", err)
 	}
-	_ = unix.Mlock(e.hdrMap)
-	_ = unix.Mlock(e.payload)
 	e.iov[0] = unix.Iovec{Base: &e.hdrMap[0]}
 	e.iov[0].SetLen(hdrSize)
 	e.iov[1] = unix.Iovec{Base: &e.payload[0]}

@@ -1,7 +1,9 @@
 package uring
 
 import (
+	"errors"
 	"fmt"
+	"syscall"
 	"unsafe"
 
 	"github.com/engramfs/engramfs/internal/ioring"
@@ -11,8 +13,10 @@ import (
 // command in the SQE's second half) on the shared binding, internal/ioring.
 // Only the thread that made a ring touches it.
 
-// opUringCmd is IORING_OP_URING_CMD.
-const opUringCmd = 46
+const (
+	opNop      = 0  // IORING_OP_NOP
+	opUringCmd = 46 // IORING_OP_URING_CMD
+)
 
 // sqe128 is struct io_uring_sqe in a ring set up with IORING_SETUP_SQE128:
 // the 64-byte SQE, its last 16 bytes and the 64 after it being the 80-byte
@@ -54,6 +58,10 @@ var setupFlagSets = []uint32{
 // newRing sets up a ring of at least entries SQEs on the calling thread.
 func newRing(entries uint32) (*ring, error) {
 	r, err := ioring.New[sqe128](entries, setupFlagSets)
+	if errors.Is(err, syscall.ENOMEM) {
+		// Measured under Docker's defaults (64 KiB, no CAP_IPC_LOCK).
+		return nil, fmt.Errorf("fuse ring: %w (ring memory is charged to RLIMIT_MEMLOCK without CAP_IPC_LOCK)", err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("fuse ring: %w", err)
 	}

@@ -60,8 +60,8 @@ const (
 	// ringMemory bounds the payload memory of all queues together: on a
 	// machine with many possible CPUs the depth shrinks instead.
 	ringMemory = 64 << 20
-	// deadline bounds each phase (making the rings, registering them): a
-	// queue whose thread has not answered by then is given up, and the
+	// deadline bounds each phase (making the rings, registering them): an
+	// entry whose thread has not answered by then is given up, and the
 	// mount falls back (auto) or fails (uring) instead of hanging.
 	deadline = 10 * time.Second
 )
@@ -252,26 +252,17 @@ func (t *Transport) stopQueues() {
 	t.entries = nil
 }
 
-// Stop ends queues that serve nothing, and waits, up to a deadline, for
-// the serving ones to end once the mount is gone (the kernel ends every
-// entry at unmount). A mount detached lazily may still be served: its
-// queues are left running.
+// Stop ends the threads of entries that serve nothing. Serving entries end
+// by themselves once the mount is gone (the kernel ends every parked entry
+// at unmount; a mount detached lazily is served until its last reader
+// lets go, or the daemon exits); Stop does not wait for them.
 func (t *Transport) Stop() {
 	if !t.Serving() {
 		t.stopQueues()
 		return
 	}
-	timeout := time.After(deadline)
-	for _, e := range t.entries {
-		select {
-		case <-e.done:
-		case <-timeout:
-			t.log.Warn("fuse ring queues still serving after unmount (a lazily detached mount still in use?)")
-			return
-		}
-	}
 	st := t.Stats()
-	t.log.Info("fuse ring queues ended", zap.Uint64("requests", st.Requests), zap.Uint64("enters", st.Enters))
+	t.log.Info("fuse rings stopping", zap.Uint64("requests", st.Requests), zap.Uint64("enters", st.Enters))
 }
 
 // Stats are the transport's own counters.
