@@ -281,18 +281,19 @@ func daemonFlags(cfg *Config, note func(string, ...any)) ([]string, error) {
 		}
 	}
 	// A choice between implementations goes to the daemon when it lists
-	// the flag; an older daemon runs its only one, noted unless auto.
-	choice := func(name, value, without string) {
+	// the flag; an older daemon runs its only one (only), noted unless
+	// that is what was asked for or auto.
+	choice := func(name, value, only, without string) {
 		switch {
 		case value == "":
 		case known[name]:
 			flags = append(flags, "--"+name, value)
-		case value != "auto":
+		case value != "auto" && value != only:
 			note("this engramfs mount has no --%s: ran %s, not %s", name, without, value)
 		}
 	}
-	choice("read-engine", cfg.ReadEngine, "with its only engine")
-	choice("fuse-transport", cfg.FuseTransport, "on /dev/fuse")
+	choice("read-engine", cfg.ReadEngine, "auto", "with its only engine")
+	choice("fuse-transport", cfg.FuseTransport, "dev", "on /dev/fuse")
 	return flags, nil
 }
 

@@ -163,7 +163,7 @@ func DefaultConfig() Config {
 		QueueDepth:    64,
 		BackingIO:     "auto",
 		ReadEngine:    "auto",
-		FuseTransport: "auto",
+		FuseTransport: "dev",
 		ObjectStore:   DefaultObjectStore(),
 		Serve:         DefaultServe(),
 	}

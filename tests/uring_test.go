@@ -53,7 +53,7 @@ func setEnableUring(t testing.TB, on bool) {
 }
 
 // coreMountTests are the mount tests TestMountSuiteOnBothTransports runs
-// again on the transport the rest of the suite does not use: bytes through
+// again on the rings: bytes through
 // read(2) and mmap, one page per cold fault, hints and barriers, several
 // processes, backing errors, a killed daemon.
 var coreMountTests = []struct {
@@ -71,25 +71,18 @@ var coreMountTests = []struct {
 	{"RecoverAfterSIGKILL", TestRecoverAfterSIGKILL},
 }
 
-// TestMountSuiteOnBothTransports runs the core mount tests on each
-// transport the rest of the suite does not run on: with enable_uring on
-// (CI sets it), --fuse-transport auto serves from the rings, and the core
-// tests run again on /dev/fuse; with it off, the other way round.
+// TestMountSuiteOnBothTransports runs the core mount tests again on the
+// rings (the rest of the suite runs on the default, /dev/fuse), setting
+// enable_uring for the run where it is off.
 func TestMountSuiteOnBothTransports(t *testing.T) {
 	if fuseTransport != "" {
 		t.Skipf("the whole suite runs on --fuse-transport %s (ENGRAMFS_FUSE_TRANSPORT)", fuseTransport)
 	}
-	RequireFUSE(t)
-	other := "uring"
-	if b, err := os.ReadFile(enableUringParam); err == nil && strings.TrimSpace(string(b)) == "Y" {
-		other = "dev"
-	} else {
-		setEnableUring(t, true)
-	}
-	fuseTransport = other
+	setEnableUring(t, true)
+	fuseTransport = "uring"
 	t.Cleanup(func() { fuseTransport = "" })
 	for _, c := range coreMountTests {
-		t.Run(other+"/"+c.name, c.run)
+		t.Run("uring/"+c.name, c.run)
 	}
 }
 

@@ -123,22 +123,28 @@ func (e *entry) setup() error {
 	if c := e.r.Reap(nil); len(c) != 1 || c[0].Res != 0 {
 		return fmt.Errorf("io_uring: a NOP completed as %+v", c)
 	}
-	// The buffers are the daemon's own anonymous memory, populated now: the
-	// kernel copies requests into them from the thread's task work, and a
-	// page fault there takes the daemon's mmap_lock, which the pin worker's
-	// populate of our own mount may hold while it waits for a READ this
-	// very thread has to deliver (docs/design.md, the MADV_POPULATE_READ
-	// fact). Not locked: the daemon's locked memory is the hot tier's
-	// budget (cache_used_bytes, RLIMIT_MEMLOCK), and 256 KiB an entry
-	// locked showed up as 8 MiB over it.
+	// The buffers are the daemon's own anonymous memory, their first pages
+	// populated now: the kernel copies requests into them from the
+	// thread's task work, and a page fault there takes the daemon's
+	// mmap_lock, which the pin worker's populate of our own mount may hold
+	// while it waits for a READ (docs/design.md, the MADV_POPULATE_READ
+	// fact; only this entry would wait: every entry has its own thread).
+	// Not locked: the daemon's locked memory is the hot tier's budget
+	// (cache_used_bytes, RLIMIT_MEMLOCK), and 256 KiB an entry locked
+	// showed up as 8 MiB over it.
 	const prot = unix.PROT_READ | unix.PROT_WRITE
-	const flags = unix.MAP_PRIVATE | unix.MAP_ANONYMOUS | unix.MAP_POPULATE
-	if e.hdrMap, err = unix.Mmap(-1, 0, unix.Getpagesize(), prot, flags); err != nil {
+	const flags = unix.MAP_PRIVATE | unix.MAP_ANONYMOUS
+	if e.hdrMap, err = unix.Mmap(-1, 0, unix.Getpagesize(), prot, flags|unix.MAP_POPULATE); err != nil {
 		return fmt.Errorf("ring header: %w", err)
 	}
-	if e.payload, err = unix.Mmap(-1, 0, e.t.payload, prot, flags); err != nil {
+	if e.payload, err = unix.Mmap(-1, 0, e.t.payload, prot, flags|unix.MAP_NORESERVE); err != nil {
 		return fmt.Errorf("ring payload: %w", err)
 	}
+	// Only the payload's first page: a READ's answer (a page) is written
+	// there by this thread's handler, and what the kernel copies in from
+	// task work is the header and a name or a hint frame; the rest of 256
+	// KiB is touched only by large writes.
+	e.payload[0] = 0
 	e.iov[0] = unix.Iovec{Base: &e.hdrMap[0]}
 	e.iov[0].SetLen(hdrSize)
 	e.iov[1] = unix.Iovec{Base: &e.payload[0]}

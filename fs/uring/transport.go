@@ -53,13 +53,16 @@ func ParseMode(s string) (Mode, error) {
 
 const (
 	// maxDepth entries a queue: requests past them wait in the kernel for
-	// an entry of their CPU's queue. Each entry holds a payload buffer of
-	// max_write (256 KiB here), populated and locked.
-	maxDepth = 16
+	// an entry of their CPU's queue. A reader's WILLNEED burst (the
+	// engine's v3 path) puts a decode step's 72 rows on its CPU's queue at
+	// once, as background READs; with 16 entries a v3 step took 1.48x its
+	// time on /dev/fuse (go-fuse starts a reader per request), the loader
+	// no longer saw enough reads at once to batch them.
+	maxDepth = 64
 	minDepth = 2
-	// ringMemory bounds the payload memory of all queues together: on a
-	// machine with many possible CPUs the depth shrinks instead.
-	ringMemory = 64 << 20
+	// maxEntries bounds the entries, and so the threads, of all queues
+	// together: on a machine with many possible CPUs the depth shrinks.
+	maxEntries = 512
 	// deadline bounds each phase (making the rings, registering them): an
 	// entry whose thread has not answered by then is given up, and the
 	// mount falls back (auto) or fails (uring) instead of hanging.
@@ -153,7 +156,7 @@ func (t *Transport) Prepare(opts *fuse.MountOptions) error {
 	}
 	page := 4096
 	t.payload = max(minPayload, (maxWrite+page-1)/page*page)
-	t.depth = min(maxDepth, max(minDepth, ringMemory/(n*t.payload)))
+	t.depth = min(maxDepth, max(minDepth, maxEntries/n))
 	for qid := range n {
 		for range t.depth {
 			e := newEntry(t, qid)
