@@ -161,6 +161,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	// line: no note a third time.
 
 	drop := &dropper{mode: cfg.Drop}
+	var transports []string // the FUSE transports the daemons used, for the notes
 	for i, gr := range rep.Geometries {
 		g := gr.Geometry
 		run, err := newGeomRun(&cfg, g, dirs[i], drop, prog, rep.Settings.DaemonFlags)
@@ -188,6 +189,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 				continue
 			}
 			gr.Paths = append(gr.Paths, res)
+			if d := res.Daemon; d != nil && d.FuseTransport != "" && !slices.Contains(transports, d.FuseTransport) {
+				transports = append(transports, d.FuseTransport)
+				note("FUSE requests reached the daemon through %s (fuse_transport)", d.FuseTransport)
+			}
 			if warm != nil {
 				gr.Paths = append(gr.Paths, warm)
 			}
@@ -274,14 +279,20 @@ func daemonFlags(cfg *Config, note func(string, ...any)) ([]string, error) {
 			note("this engramfs mount has no --cache-size (no hot tier yet): ran without it")
 		}
 	}
-	if cfg.ReadEngine != "" {
+	// A choice between implementations goes to the daemon when it lists
+	// the flag; an older daemon runs its only one (only), noted unless
+	// that is what was asked for or auto.
+	choice := func(name, value, only, without string) {
 		switch {
-		case known["read-engine"]:
-			flags = append(flags, "--read-engine", cfg.ReadEngine)
-		case cfg.ReadEngine != "auto":
-			note("this engramfs mount has no --read-engine: ran with its only engine, not %s", cfg.ReadEngine)
+		case value == "":
+		case known[name]:
+			flags = append(flags, "--"+name, value)
+		case value != "auto" && value != only:
+			note("this engramfs mount has no --%s: ran %s, not %s", name, without, value)
 		}
 	}
+	choice("read-engine", cfg.ReadEngine, "auto", "with its only engine")
+	choice("fuse-transport", cfg.FuseTransport, "dev", "on /dev/fuse")
 	return flags, nil
 }
 

@@ -118,6 +118,9 @@ func TestRunTiny(t *testing.T) {
 				if p.Daemon.ReadEngine == "" {
 					t.Errorf("%s %s: no read engine", g.Geometry.Name, p.Path)
 				}
+				if p.Daemon.FuseTransport == "" {
+					t.Errorf("%s %s: no FUSE transport", g.Geometry.Name, p.Path)
+				}
 			}
 		}
 		eng, engWill, hints := g.path(PathEngramfs), g.path(PathEngramfsWillneed), g.path(PathHints)

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"fmt"
+	"github.com/engramfs/engramfs/fs/uring"
 	"io"
 	"slices"
 	"time"
@@ -121,6 +122,7 @@ type Config struct {
 	PrefetchQueue int // 0: the daemon's default
 	CacheSize     string
 	ReadEngine    string // auto, io_uring or pread
+	FuseTransport string // auto, uring or dev (--fuse-transport, when the daemon lists it)
 	// ObjectStore is the object-store run on the big geometry.
 	ObjectStore ObjectStoreConfig
 	// Serve is the serving loop: requests served by rank processes under a
@@ -161,6 +163,7 @@ func DefaultConfig() Config {
 		QueueDepth:    64,
 		BackingIO:     "auto",
 		ReadEngine:    "auto",
+		FuseTransport: "dev",
 		ObjectStore:   DefaultObjectStore(),
 		Serve:         DefaultServe(),
 	}
@@ -200,6 +203,11 @@ func (c *Config) check() error {
 	}
 	if _, err := ParseReadEngine(c.ReadEngine); err != nil {
 		return err
+	}
+	if c.FuseTransport != "" {
+		if _, err := uring.ParseMode(c.FuseTransport); err != nil {
+			return err
+		}
 	}
 	return c.Serve.check()
 }

@@ -138,6 +138,7 @@ func (r *geomRun) run(ctx context.Context, p PathID) (res, warm *PathResult, err
 			res.Daemon.CPU += res.PrefetchAlone.DaemonCPU
 		}
 		res.Daemon.ReadEngine = res.Prefill.Stats.ReadEngine
+		res.Daemon.FuseTransport = res.Prefill.Stats.FuseTransport
 		if res.Daemon.ReadEngine == "" {
 			res.Daemon.ReadEngine = ReadEngineUnknown
 		}

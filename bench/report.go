@@ -103,6 +103,10 @@ type DaemonUsage struct {
 	// read_engine: io_uring or pread), ReadEngineUnknown from a daemon that
 	// does not say.
 	ReadEngine string `json:"read_engine"`
+	// FuseTransport is what served its FUSE requests (.engramfs/stats
+	// fuse_transport: uring, dev, or dev: and why), "" from a daemon that
+	// does not say.
+	FuseTransport string `json:"fuse_transport,omitempty"`
 }
 
 // ReadEngineUnknown is DaemonUsage.ReadEngine for a daemon whose stats have

@@ -82,9 +82,9 @@ const (
 // mountDev mounts the tree on mountpoint through a /dev/fuse descriptor of
 // our own (the options go-fuse's direct mount passes), and serves it with
 // go-fuse's "/dev/fd/N" mountpoint: go-fuse owns one descriptor, s.dev is
-// a duplicate (the same open file) kept for a handover. Holding s.mu.
-func (s *Server) mountDev(mountpoint string) (*fuse.Server, error) {
-	o := &s.opts.MountOptions
+// a duplicate (the same open file) kept for a handover. o are the mount's
+// options (a transport may have added capabilities). Holding s.mu.
+func (s *Server) mountDev(mountpoint string, o *fuse.MountOptions) (*fuse.Server, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(mountpoint, &st); err != nil {
 		return nil, err

@@ -58,11 +58,25 @@ type Options struct {
 	// NoPassthrough serves the model directory's other files through the
 	// daemon even where FUSE passthrough works (modelfiles.go).
 	NoPassthrough bool
+	// Transport, if set, serves requests beside go-fuse's /dev/fuse server
+	// (fs/uring); nil serves everything from /dev/fuse.
+	Transport Transport
 
 	uid, gid uint32
 	hotLog   *zap.Logger
 	hints    HintSink  // set by Connect; nil: frames are decoded and dropped
 	faults   FaultSink // set by Connect; nil: nobody hears of faults
+}
+
+// A Transport serves some of the kernel's requests beside go-fuse's
+// /dev/fuse server, which keeps the mount, INIT and the notifications
+// (fs/uring: the per-CPU io_uring queues). Serve calls Prepare before
+// mounting, Start once INIT is answered and before the mount is used, and
+// Stop after unmounting. An error from either fails the mount.
+type Transport interface {
+	Prepare(opts *fuse.MountOptions) error
+	Start(srv *fuse.Server) error
+	Stop()
 }
 
 // Request sizing: see New.
@@ -218,8 +232,17 @@ func (s *Server) Serve(mountpoint string) error {
 	if err := checkMountpoint(mountpoint, s.log); err != nil {
 		return err
 	}
-	srv, err := s.mountDev(mountpoint)
+	mopts, tr := s.opts.MountOptions, s.root.o.Transport
+	if tr != nil {
+		if err := tr.Prepare(&mopts); err != nil {
+			return fmt.Errorf("mount %s: %w", mountpoint, err)
+		}
+	}
+	srv, err := s.mountDev(mountpoint, &mopts)
 	if err != nil {
+		if tr != nil {
+			tr.Stop()
+		}
 		return fmt.Errorf("mount %s: %w", mountpoint, explainMountError(err))
 	}
 	go srv.Serve()
@@ -229,7 +252,15 @@ func (s *Server) Serve(mountpoint string) error {
 		if uerr := unmount(srv, mountpoint, own, s.log); uerr != nil {
 			s.log.Error("unmounting a mount that failed to start", zap.String("mountpoint", mountpoint), zap.Error(uerr))
 		}
+		if tr != nil {
+			tr.Stop()
+		}
 		return fmt.Errorf("mount %s: %w", mountpoint, err)
+	}
+	if tr != nil {
+		if err := tr.Start(srv); err != nil {
+			return fail(err)
+		}
 	}
 	if err := srv.WaitMount(); err != nil {
 		return fail(err)
@@ -371,7 +402,11 @@ func (s *Server) Unmount() error {
 	defer s.closeDev()
 	// Name what may hold it: only control handles being open was logged
 	// as "a reader still maps a file".
-	return unmount(srv, mp, own, s.log.With(zap.Int64("control_handles_open", s.root.o.Stats.ControlHandles.Load())))
+	err := unmount(srv, mp, own, s.log.With(zap.Int64("control_handles_open", s.root.o.Stats.ControlHandles.Load())))
+	if tr := s.root.o.Transport; tr != nil {
+		tr.Stop()
+	}
+	return err
 }
 
 // unmount unmounts own, srv's mount on mountpoint, lazily when it is busy,

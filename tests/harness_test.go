@@ -14,6 +14,8 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -69,9 +71,17 @@ func MountWrapped(t testing.TB, wrapper []string, modelDir string, args ...strin
 	return start(t, daemonproc.Options{ModelDir: modelDir, Flags: args, Wrapper: wrapper})
 }
 
+// fuseTransport, when set, is the --fuse-transport of every daemon the
+// harness starts without one of its own: ENGRAMFS_FUSE_TRANSPORT, or the
+// transport TestMountSuiteOnBothTransports runs the core tests on.
+var fuseTransport = os.Getenv("ENGRAMFS_FUSE_TRANSPORT")
+
 func start(t testing.TB, o daemonproc.Options) *Daemon {
 	t.Helper()
 	RequireFUSE(t)
+	if fuseTransport != "" && !slices.ContainsFunc(o.Flags, func(f string) bool { return strings.HasPrefix(f, "--fuse-transport") }) {
+		o.Flags = append([]string{"--fuse-transport", fuseTransport}, o.Flags...)
+	}
 	o.Binary = Binary(t)
 	if o.Mountpoint == "" {
 		o.MountDir = testenv.PrivateTempDir(t)

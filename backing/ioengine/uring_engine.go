@@ -93,7 +93,7 @@ func newUring(queueDepth int) (*uringEngine, error) {
 		r.close()
 		return nil, err
 	}
-	depth = min(depth, int(r.sqEntries)-1)
+	depth = min(depth, int(r.SQEntries)-1)
 	e := &uringEngine{
 		r:          r,
 		efd:        efd,
@@ -313,7 +313,7 @@ func (e *uringEngine) reaper() {
 		e.mu.Lock()
 		e.reaperAwake = true
 		for _, c := range cqes {
-			if c.userData == wakeUserData {
+			if c.UserData == wakeUserData {
 				// Drain the counter, then re-arm the poll at the top of
 				// the loop; Submits from now on see the reaper awake.
 				var buf [8]byte
@@ -321,18 +321,18 @@ func (e *uringEngine) reaper() {
 				armed, e.woken = false, false
 				continue
 			}
-			idx := uint32(c.userData)
+			idx := uint32(c.UserData)
 			s := &e.slots[idx]
 			switch {
-			case c.res == -int32(unix.EINTR) || c.res == -int32(unix.EAGAIN):
+			case c.Res == -int32(unix.EINTR) || c.Res == -int32(unix.EAGAIN):
 				e.pushLocked(idx)
 				continue
-			case c.res < 0:
-				done = append(done, finished{s.req, s.done, readError(s.req, s.done, syscall.Errno(-c.res))})
-			case c.res == 0 && s.done < len(s.req.Buf):
+			case c.Res < 0:
+				done = append(done, finished{s.req, s.done, readError(s.req, s.done, syscall.Errno(-c.Res))})
+			case c.Res == 0 && s.done < len(s.req.Buf):
 				done = append(done, finished{s.req, s.done, nil}) // EOF
 			default:
-				s.done += int(c.res)
+				s.done += int(c.Res)
 				if s.done < len(s.req.Buf) {
 					e.pushLocked(idx) // short read: continue after it
 					continue

@@ -21,6 +21,7 @@ import (
 	"github.com/engramfs/engramfs/backing/s3source"
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/fs"
+	"github.com/engramfs/engramfs/fs/uring"
 	"github.com/engramfs/engramfs/internal/procfs"
 	"github.com/engramfs/engramfs/internal/sdnotify"
 	"github.com/engramfs/engramfs/internal/stats"
@@ -35,6 +36,7 @@ type mountFlags struct {
 	queueDepth   int
 	backingIO    string
 	readEngine   string
+	fuseTrans    string
 	prefillQueue int
 	decodeQueue  int
 	ctlHandles   int
@@ -65,6 +67,8 @@ func (f *mountFlags) register(fl interface {
 		"how shards are read: direct (O_DIRECT, no backing page cache), buffered (FADV_RANDOM, FADV_DONTNEED after each read), or auto (direct where the filesystem accepts it)")
 	fl.StringVar(&f.readEngine, "read-engine", "auto",
 		"how backing reads are issued: io_uring (many reads per system call, many completions per wake-up), pread (a pool of --queue-depth threads), or auto (io_uring where the kernel and sandbox allow it, else pread; the choice is logged and shown as read_engine in stats)")
+	fl.StringVar(&f.fuseTrans, "fuse-transport", string(uring.Dev),
+		"how FUSE requests reach the daemon: dev (/dev/fuse), uring (per-CPU io_uring queues; needs Linux 6.14+ with the fuse module's enable_uring=Y; faster faults, slower WILLNEED bursts: see docs/design.md), or auto (uring where the kernel offers it and every queue registers, else dev; the choice is logged and shown as fuse_transport in stats)")
 	fl.StringVar(&f.cacheSize, "cache-size", "1GiB",
 		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off")
 	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultPrefillQueuePages,
@@ -402,10 +406,15 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	if d.hot, err = newHotCache(model, mountpoint, mf.cacheSize, st, log); err != nil {
 		return nil, err
 	}
+	transport, err := uring.ParseMode(mf.fuseTrans)
+	if err != nil {
+		return nil, usageError{Err: fmt.Errorf("--fuse-transport: %w", err)}
+	}
 	if d.srv, err = fs.New(fs.Options{
 		Model: model, Loader: loader, Stats: st, Log: log,
 		AllowOther: mf.allowOther, Debug: mf.debugFUSE, ControlHandles: mf.ctlHandles,
 		NoPassthrough: !mf.passthrough,
+		Transport:     uring.New(transport, st, log),
 	}); err != nil {
 		return nil, err
 	}

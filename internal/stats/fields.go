@@ -84,6 +84,9 @@ var Fields = []Field{
 	{"fuse_read_bytes", Counter, "bytes", GroupFaults, "bytes those READs asked for",
 		"Bytes those READs asked for, cut at the end of the file (counted before the READ is served, so failed READs count too).",
 		"fuse_read_bytes_total"},
+	{"fuse_transport", Info, "", GroupFaults, "what serves FUSE requests",
+		"What serves the mount's FUSE requests: uring (per-CPU io_uring queues, --fuse-transport), dev (/dev/fuse), or dev: and why the rings are not used (absent before the mount is up).",
+		""},
 
 	{"backing_reads", Counter, "reads", GroupBacking, "backing reads (one per coalesced run)",
 		"Reads issued to the backing source, one per coalesced run of adjacent pages: a pread or io_uring read of a shard file, or one object store span (its GET, retries and hedges); mirror hits are not counted.",

@@ -85,8 +85,9 @@ func TestValue(t *testing.T) {
 	c.CachePinned.Store(true)
 	c.Layer(2).Refaulted.Add(3)
 	c.ReadEngine = "pread"
+	c.SetFuseTransport("uring")
 	s := c.Snapshot()
-	for name, want := range map[string]any{"hint_rows": uint64(7), "cache_pinned": true, "read_engine": "pread",
+	for name, want := range map[string]any{"hint_rows": uint64(7), "cache_pinned": true, "read_engine": "pread", "fuse_transport": "uring",
 		"cache_mode": "pinned", "cache_used_bytes": int64(0), LayerPrefix + "refaulted": uint64(3)} {
 		f, ok := FieldByName(name)
 		if !ok {

@@ -22,6 +22,8 @@ type Counters struct {
 	// Fault path (fs).
 	FuseReads     atomic.Uint64
 	FuseReadBytes atomic.Uint64
+	// fuseTransport is set when the mount comes up (SetFuseTransport).
+	fuseTransport atomic.Pointer[string]
 
 	// Backing store (backing; the loader's negative cache).
 	BackingReads    atomic.Uint64
@@ -138,11 +140,24 @@ const (
 	BarrierNoLayer       = -2
 )
 
+// SetFuseTransport records what serves the mount's FUSE requests
+// (fs/uring: "uring", "dev", or "dev: " and why not the rings).
+func (c *Counters) SetFuseTransport(s string) { c.fuseTransport.Store(&s) }
+
+// FuseTransport is what SetFuseTransport recorded ("" before).
+func (c *Counters) FuseTransport() string {
+	if p := c.fuseTransport.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
+
 // Snapshot is the JSON form of Counters, as served by `.engramfs/stats`.
 // Every field is described in Fields (TestFieldsMatchSnapshot).
 type Snapshot struct {
 	FuseReads     uint64 `json:"fuse_reads"`
 	FuseReadBytes uint64 `json:"fuse_read_bytes"`
+	FuseTransport string `json:"fuse_transport,omitempty"`
 
 	BackingReads    uint64 `json:"backing_reads"`
 	BackingBytes    uint64 `json:"backing_bytes"`
@@ -216,6 +231,7 @@ func (c *Counters) Snapshot() Snapshot {
 	return Snapshot{
 		FuseReads:     c.FuseReads.Load(),
 		FuseReadBytes: c.FuseReadBytes.Load(),
+		FuseTransport: c.FuseTransport(),
 
 		BackingReads:    c.BackingReads.Load(),
 		BackingBytes:    c.BackingBytes.Load(),
