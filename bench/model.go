@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"regexp"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -81,7 +82,18 @@ type stamp struct {
 
 // ownNames are the files a bench model directory may hold: regenerating
 // removes them, and a directory with anything else is not ours to touch.
-var ownNames = regexp.MustCompile(`^(model-\d{5}-of-\d{5}\.safetensors|` + regexp.QuoteMeta(backing.IndexFile) + `|` + regexp.QuoteMeta(stampFile) + `)$`)
+var ownNames = regexp.MustCompile(`^(model-\d{5}-of-\d{5}\.safetensors|` + regexp.QuoteMeta(backing.IndexFile) + `|` + regexp.QuoteMeta(stampFile) +
+	synthConfigNames() + `)$`)
+
+// synthConfigNames is the alternation of the model directory's other files
+// that synthesis writes (config, tokenizer), each also the bench's own.
+func synthConfigNames() string {
+	var b strings.Builder
+	for _, n := range backing.SynthConfigFiles {
+		b.WriteString("|" + regexp.QuoteMeta(n))
+	}
+	return b.String()
+}
 
 // EnsureModel returns the model directory of g under root, generating it
 // first when it is missing or holds another spec. progress, if not nil, is
