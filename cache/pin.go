@@ -115,6 +115,8 @@ type Pinner struct {
 	popMu  sync.Mutex
 	popRun [3]uint64   // GUARDED_BY(popMu); table, first, end of the run being populated
 	popOn  atomic.Bool // a run is being populated
+
+	charge charges // whose memory cgroup pays for a pin (charge.go)
 }
 
 // NewPinner pins pages of files; PageKey.Table indexes files. It maps
@@ -217,6 +219,10 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 			break
 		}
 	}
+	var foreign []uint64 // pages left charged to a reader's cgroup (charge.go)
+	if err == nil {
+		foreign, err = p.ownCharge(table, first, r)
+	}
 	p.popOn.Store(false)
 	if err != nil {
 		// Whatever did get mapped (the run's pages up to the failure and
@@ -228,6 +234,11 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 			return ErrPinUnavailable
 		}
 		return wrapRun("pin", table, first, n, fmt.Errorf("populate: %w", err))
+	}
+	if len(foreign) > 0 {
+		p.setPinnedExcept(table, first, n, foreign)
+		p.trimFaultAround(table, first, n)
+		return wrapRun("pin", table, foreign[0], uint64(len(foreign)), ErrChargedElsewhere)
 	}
 	p.setPinned(table, first, n, true)
 	p.trimFaultAround(table, first, n)
@@ -569,6 +580,7 @@ func (p *Pinner) Close() error {
 	if p.pagemap != nil {
 		_ = p.pagemap.Close()
 	}
+	p.closeCharges()
 	if p.exactFD >= 0 { // after the munmaps: closing it unregisters them
 		_ = unix.Close(p.exactFD)
 		p.exactFD = -1
@@ -586,33 +598,9 @@ const readThroughChunk = 256 << 10
 // p.inflight.Done.
 // LOCKS_EXCLUDED(p.mu)
 func (p *Pinner) readThrough(table uint32, off int64, n int) error {
-	p.mu.Lock()
-	if p.readers == nil {
-		p.readers = make([]*os.File, len(p.files))
-	}
-	f := p.readers[table]
-	p.mu.Unlock()
-	if f == nil {
-		// Open outside the lock: it goes through our own FUSE handlers when
-		// the file is on the mount.
-		nf, err := os.Open(p.files[table].Path)
-		if err != nil {
-			return fmt.Errorf("read through: %w", err)
-		}
-		// Read only the run: without FADV_RANDOM the kernel reads ahead
-		// around it, into large folios that the populate then maps and
-		// the trim must split again.
-		if err := unix.Fadvise(int(nf.Fd()), 0, 0, unix.FADV_RANDOM); err != nil {
-			_ = nf.Close()
-			return fmt.Errorf("read through: fadvise %s: %w", p.files[table].Path, err)
-		}
-		p.mu.Lock()
-		if f = p.readers[table]; f == nil {
-			p.readers[table], f = nf, nf
-		} else {
-			_ = nf.Close()
-		}
-		p.mu.Unlock()
+	f, err := p.reader(table)
+	if err != nil {
+		return err
 	}
 	bp, _ := p.readBuf.Get().(*[]byte)
 	if bp == nil {
@@ -629,6 +617,40 @@ func (p *Pinner) readThrough(table uint32, off int64, n int) error {
 		off, n = off+int64(c), n-c
 	}
 	return nil
+}
+
+// reader is table's descriptor for readThrough, opened on first use.
+// LOCKS_EXCLUDED(p.mu)
+func (p *Pinner) reader(table uint32) (*os.File, error) {
+	p.mu.Lock()
+	if p.readers == nil {
+		p.readers = make([]*os.File, len(p.files))
+	}
+	f := p.readers[table]
+	p.mu.Unlock()
+	if f == nil {
+		// Open outside the lock: it goes through our own FUSE handlers when
+		// the file is on the mount.
+		nf, err := os.Open(p.files[table].Path)
+		if err != nil {
+			return nil, fmt.Errorf("read through: %w", err)
+		}
+		// Read only the run: without FADV_RANDOM the kernel reads ahead
+		// around it, into large folios that the populate then maps and
+		// the trim must split again.
+		if err := unix.Fadvise(int(nf.Fd()), 0, 0, unix.FADV_RANDOM); err != nil {
+			_ = nf.Close()
+			return nil, fmt.Errorf("read through: fadvise %s: %w", p.files[table].Path, err)
+		}
+		p.mu.Lock()
+		if f = p.readers[table]; f == nil {
+			p.readers[table], f = nf, nf
+		} else {
+			_ = nf.Close()
+		}
+		p.mu.Unlock()
+	}
+	return f, nil
 }
 
 // run returns the bytes of pages [first, first+n) of table in the pinner's

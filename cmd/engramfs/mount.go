@@ -60,7 +60,7 @@ func (f *mountFlags) register(fl interface {
 	fl.StringVar(&f.readEngine, "read-engine", "auto",
 		"how backing reads are issued: io_uring (many reads per system call, many completions per wake-up), pread (a pool of --queue-depth threads), or auto (io_uring where the kernel and sandbox allow it, else pread; the choice is logged and shown as read_engine in stats)")
 	fl.StringVar(&f.cacheSize, "cache-size", "1GiB",
-		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off")
+		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off; in a memory cgroup it is lowered to fit the cgroup's limit with headroom")
 	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultPrefillQueuePages,
 		"prefill pages queued at most; past it the oldest prefill hints are dropped (decode hints are never dropped)")
 	fl.IntVar(&f.decodeQueue, "decode-queue", prefetch.DefaultDecodeQueuePages,
@@ -285,13 +285,13 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		log.Warn("injecting backing faults (testing only)", zap.String("faults", spec.String()))
 	}
 	loader := cache.NewLoader(src, model.Tables, st)
-	if d.hot, err = newHotCache(model, mountpoint, mf.cacheSize, st, log); err != nil {
-		return nil, err
-	}
 	if d.srv, err = fs.New(fs.Options{
 		Model: model, Loader: loader, Stats: st, Log: log,
 		AllowOther: mf.allowOther, Debug: mf.debugFUSE,
 	}); err != nil {
+		return nil, err
+	}
+	if d.hot, err = newHotCache(model, mountpoint, mf.cacheSize, d.srv, st, log); err != nil {
 		return nil, err
 	}
 	pcfg := prefetch.DefaultConfig(mf.queueDepth)
@@ -466,11 +466,16 @@ func (d *daemon) stop(unmount bool) error {
 }
 
 // newHotCache builds the pinned hot tier over the daemon's own view of the
-// table files (through the mount, mapped lazily once it is live).
-func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
+// table files (through the mount, mapped lazily once it is live), fitted to
+// the daemon's memory cgroup; srv stores again the pages a reader's fault
+// charged to the reader's cgroup before they are pinned (cache/charge.go).
+func newHotCache(m *backing.Model, mountpoint, size string, srv cache.Recharger, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
 	capacity, err := units.RAMInBytes(size)
 	if err != nil || capacity < 0 {
 		return nil, usagef("--cache-size %q: want a size such as 512MiB or 4G, or 0", size)
+	}
+	if capacity, err = fitTierToMemcg(capacity, st, log); err != nil {
+		return nil, err
 	}
 	abs, err := filepath.Abs(mountpoint)
 	if err != nil {
@@ -480,7 +485,9 @@ func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, 
 	for i, t := range m.Tables {
 		files[i] = cache.TableFile{Path: filepath.Join(abs, t.Path()), Size: t.FileSize}
 	}
-	return cache.NewHotCache(capacity, cache.NewPinner(files, log), st, log), nil
+	p := cache.NewPinner(files, log)
+	p.SetRecharger(srv)
+	return cache.NewHotCache(capacity, p, st, log), nil
 }
 
 // spareProcs gives the Go scheduler two Ps more than the CPUs, once the
