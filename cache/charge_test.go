@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/internal/memcg"
+	"github.com/engramfs/engramfs/internal/pagecache"
 )
 
 // fileRecharger is the Recharger of a plain file: it drops pages with
@@ -54,6 +55,7 @@ func readerGroup(t testing.TB, path string) *memcg.Group {
 		t.Skipf("%v", err)
 	}
 	t.Cleanup(func() { _ = g.Remove() })
+	evict(t, path)
 	// Page by page under FADV_RANDOM, as faults through the mount read:
 	// readahead would bring in large folios, and dropping one page of a
 	// large folio drops nothing.
@@ -71,6 +73,46 @@ for off in range(0,n,4096): os.pread(fd,4096,off)`
 		t.Fatalf("reading %s in %s: %v\n%s", path, g.Dir, err, out)
 	}
 	return g
+}
+
+// evict drops path's pages from the page cache, and waits until none is
+// left: a page just written back may still be held for a moment, and a
+// page the reader then finds cached stays charged to whoever wrote it.
+func evict(t testing.TB, path string) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, int(fi.Size()), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	for try := 0; ; try++ {
+		if err := f.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
+			t.Fatal(err)
+		}
+		n, err := pagecache.Count(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			return
+		}
+		if try == 100 {
+			t.Fatalf("%s: %d pages still cached after 100 drops", path, n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // chargedTo returns the memory cgroup inode of each page of the pinner's
@@ -259,13 +301,7 @@ func BenchmarkPinCharge(b *testing.B) {
 			defer wf.Close()
 			for i := 0; i < b.N; {
 				b.StopTimer()
-				// Stores leave pages dirty; only clean ones drop.
-				if err := wf.Sync(); err != nil {
-					b.Fatal(err)
-				}
-				if err := unix.Fadvise(int(wf.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
-					b.Fatal(err)
-				}
+				evict(b, tf.Path)
 				if c == "foreign" {
 					readerGroup(b, tf.Path)
 				} else if _, err := wf.ReadAt(make([]byte, pages*PageSize), 0); err != nil {

@@ -74,6 +74,12 @@ type TableFile struct {
 //     count (PinnedPages, the bitmap) is what is pinned; lockedBytes is only
 //     a lower bound of what this process already holds against
 //     RLIMIT_MEMLOCK.
+//   - A page is charged to the memory cgroup of the process whose access
+//     brought it into the page cache, and locking it does not move the
+//     charge: a reader's fault pinned as it is would be memory the
+//     reader's cgroup cannot reclaim. With a Recharger the pinner stores
+//     such a page again from the daemon before recording it pinned
+//     (charge.go).
 //   - A mapping of a file on the mount keeps the mount busy: Close before
 //     unmounting.
 //
