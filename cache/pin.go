@@ -244,7 +244,7 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 	if len(foreign) > 0 {
 		p.setPinnedExcept(table, first, n, foreign)
 		p.trimFaultAround(table, first, n)
-		return wrapRun("pin", table, foreign[0], uint64(len(foreign)), ErrChargedElsewhere)
+		return wrapRun("pin", table, first, n, fmt.Errorf("%d of its pages: %w", len(foreign), ErrChargedElsewhere))
 	}
 	p.setPinned(table, first, n, true)
 	p.trimFaultAround(table, first, n)
