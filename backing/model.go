@@ -75,10 +75,23 @@ func (t *Table) Path() string {
 // Model is the set of engram tables of one model directory.
 type Model struct {
 	Dir    string
-	Tables []*Table       // ordered by layer, then kind
-	Layers []int          // engram layers, ascending
-	Shards []*Shard       // shards that hold tables
-	rows   map[int]uint64 // layer -> row count
+	Tables []*Table // ordered by layer, then kind
+	Layers []int    // engram layers, ascending
+	Shards []*Shard // shards that hold tables
+	// Others maps every tensor that is not a table to its shard file
+	// (relative to the model directory): the mount's index sends a loader
+	// to the shard itself, served at its own path.
+	Others map[string]string
+	// IndexMetadata is the source index's "metadata", kept as it was (its
+	// total_size counts the same tensors); nil without an index.
+	IndexMetadata json.RawMessage
+	// Files are the model directory's files, served at their own paths;
+	// SkippedFiles the entries left out, and why. Empty when the source
+	// cannot list them.
+	Files        []ModelFile
+	SkippedFiles []SkippedFile
+	files        FileSource
+	rows         map[int]uint64 // layer -> row count
 	// byLayer holds each layer's tables: LayerTables was a scan of every
 	// table, which made the manifest of a 100K-table model (50K layers)
 	// quadratic: 82% of the daemon's CPU for minutes before it mounted.
@@ -133,17 +146,26 @@ func LoadSourceChecked(src Source, pattern string, check func(tables, shards int
 	dir := src.String()
 	join := func(name string) string { return strings.TrimSuffix(dir, "/") + "/" + name }
 
-	// tensor name -> shard name, for the tensors that are tables.
-	wanted := map[string]string{}
+	// tensor name -> shard name, for the tensors that are tables, and for
+	// the others.
+	wanted, others := map[string]string{}, map[string]string{}
+	var skipped []SkippedFile
 	indexPath := join(IndexFile)
-	weightMap, err := readIndex(src, indexPath)
+	weightMap, metadata, err := readIndex(src, indexPath)
 	switch {
 	case err == nil:
 		for name, file := range weightMap {
+			local := filepath.IsLocal(file)
 			if !re.MatchString(name) {
+				if local {
+					others[name] = file
+				} else {
+					skipped = append(skipped, SkippedFile{Name: IndexFile,
+						Reason: fmt.Sprintf("tensor %q: shard name %q is absolute or leaves the model directory: not in the mount's index", name, file)})
+				}
 				continue
 			}
-			if !filepath.IsLocal(file) {
+			if !local {
 				return nil, fmt.Errorf("%s: tensor %q: shard name %q is absolute or leaves the model directory", indexPath, name, file)
 			}
 			wanted[name] = file
@@ -187,13 +209,16 @@ func LoadSourceChecked(src Source, pattern string, check func(tables, shards int
 		if len(names) == 0 {
 			return nil, fmt.Errorf("model directory %s: no %s and no *.safetensors files", dir, IndexFile)
 		}
+		var total int64 // the index's total_size: the bytes of every tensor
 		for _, name := range names {
 			h, err := openShard(name)
 			if err != nil {
 				return nil, err
 			}
 			for _, tn := range h.sortedNames() {
+				total += h.Tensors[tn].End - h.Tensors[tn].Begin
 				if !re.MatchString(tn) {
+					others[tn] = name
 					continue
 				}
 				if prev, dup := wanted[tn]; dup {
@@ -202,6 +227,7 @@ func LoadSourceChecked(src Source, pattern string, check func(tables, shards int
 				wanted[tn] = name
 			}
 		}
+		metadata, _ = json.Marshal(map[string]int64{"total_size": total})
 	}
 
 	if check != nil {
@@ -213,7 +239,8 @@ func LoadSourceChecked(src Source, pattern string, check func(tables, shards int
 			return nil, fmt.Errorf("model %s: %w", dir, err)
 		}
 	}
-	m := &Model{Dir: dir, rows: map[int]uint64{}, byLayer: map[int][]*Table{}}
+	m := &Model{Dir: dir, rows: map[int]uint64{}, byLayer: map[int][]*Table{},
+		Others: others, IndexMetadata: metadata, SkippedFiles: skipped}
 	names := make([]string, 0, len(wanted))
 	for n := range wanted {
 		names = append(names, n)
@@ -245,7 +272,7 @@ func LoadSourceChecked(src Source, pattern string, check func(tables, shards int
 		m.Tables = append(m.Tables, t)
 	}
 	if len(m.Tables) == 0 {
-		return nil, fmt.Errorf("model directory %s: no tensor matches the table pattern %q", dir, pattern)
+		return nil, fmt.Errorf("model directory %s: no tensor matches the table pattern %q; %s", dir, pattern, someTensors(weightMap, headers))
 	}
 
 	sort.SliceStable(m.Tables, func(i, j int) bool {
@@ -282,6 +309,9 @@ func LoadSourceChecked(src Source, pattern string, check func(tables, shards int
 		}
 	}
 	sort.Slice(m.Shards, func(i, j int) bool { return m.Shards[i].Name < m.Shards[j].Name })
+	if err := m.loadFiles(src); err != nil {
+		return nil, err
+	}
 	return m, nil
 }
 
@@ -325,20 +355,51 @@ func newTable(name string, layer int, kind string, ti TensorInfo, shard *Shard, 
 	return t, nil
 }
 
-// readIndex returns the weight_map of a sharded-checkpoint index.
-func readIndex(src Source, path string) (map[string]string, error) {
+// readIndex returns the weight_map and the metadata of a sharded-checkpoint
+// index.
+func readIndex(src Source, path string) (map[string]string, json.RawMessage, error) {
 	b, err := src.ReadFile(IndexFile, maxIndexBytes)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	var idx struct {
+		Metadata  json.RawMessage   `json:"metadata"`
 		WeightMap map[string]string `json:"weight_map"`
 	}
 	if err := json.Unmarshal(b, &idx); err != nil {
-		return nil, fmt.Errorf("%s: not a safetensors index: %w", path, err)
+		return nil, nil, fmt.Errorf("%s: not a safetensors index: %w", path, err)
 	}
 	if idx.WeightMap == nil {
-		return nil, fmt.Errorf("%s: no weight_map", path)
+		return nil, nil, fmt.Errorf("%s: no weight_map", path)
 	}
-	return idx.WeightMap, nil
+	return idx.WeightMap, idx.Metadata, nil
+}
+
+// someTensors names a few of the tensors a model has, for the error of a
+// table pattern that matched none of them: the names show what the pattern
+// should have been.
+func someTensors(weightMap map[string]string, headers map[string]*Header) string {
+	var names []string
+	for n := range weightMap {
+		names = append(names, n)
+	}
+	if weightMap == nil {
+		for _, h := range headers {
+			names = append(names, h.sortedNames()...)
+		}
+	}
+	if len(names) == 0 {
+		return "it has no tensors"
+	}
+	sort.Strings(names)
+	const show = 5
+	quoted := make([]string, 0, show)
+	for _, n := range names[:min(show, len(names))] {
+		quoted = append(quoted, strconv.Quote(n))
+	}
+	more := ""
+	if len(names) > show {
+		more = fmt.Sprintf(", ... (%d in all)", len(names))
+	}
+	return "its tensors are named like " + strings.Join(quoted, ", ") + more
 }

@@ -286,7 +286,7 @@ func TestLoadRefusesBadIndex(t *testing.T) {
 
 func readWeightMap(t *testing.T, dir string) map[string]string {
 	t.Helper()
-	wm, err := readIndex(NewLocalSource(dir, IOBuffered, nil, nil), filepath.Join(dir, IndexFile))
+	wm, _, err := readIndex(NewLocalSource(dir, IOBuffered, nil, nil), filepath.Join(dir, IndexFile))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -464,7 +464,11 @@ func TestLoadRefusesBadPatternAndDir(t *testing.T) {
 				os.Remove(filepath.Join(d, IndexFile))
 			}
 			m, err := Load(d, pattern)
+			// The error shows names the model has: what the pattern missed.
 			wantRefusal(t, m, err, d, "no tensor matches the table pattern")
+			if want := `"embed_tokens.weight", "layers.0.engram.embed.scale"`; err == nil || !strings.Contains(err.Error(), want) {
+				t.Errorf("glob %v: error %v does not show the model's names (%s)", glob, err, want)
+			}
 		}
 	})
 	t.Run("no-such-dir", func(t *testing.T) {

@@ -32,13 +32,18 @@ func DefaultSynth() SynthSpec {
 func (s *SynthSpec) FlashGeometry() { s.WeightRow, s.ScaleRow = 256, 8 }
 
 // UnrelatedTensor is the tensor every synthetic model carries that is not an
-// engram table; the mount must not expose it.
+// engram table: the mount serves it from its shard, not as a table.
 const UnrelatedTensor = "embed_tokens.weight"
+
+// SynthConfigFiles are the small files a synthetic model directory holds
+// beside its shards and index, so that it is a model directory as an engine
+// reads one (config, tokenizer, generation config).
+var SynthConfigFiles = []string{"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
 
 // Synthesize writes a model directory: an index, one shard per layer, and an
 // unrelated tensor placed before the first layer's tables so their data
-// starts at an unaligned shard offset. Bytes are a pure function of the seed,
-// tensor name and offset (see SynthWord).
+// starts at an unaligned shard offset, plus SynthConfigFiles. Bytes are a
+// pure function of the seed, tensor name and offset (see SynthWord).
 func Synthesize(dir string, spec SynthSpec) error {
 	if spec.Layers < 1 || spec.Rows < 1 || spec.WeightRow < 1 || spec.ScaleRow < 4 || spec.ScaleRow%4 != 0 {
 		return fmt.Errorf("synthetic model: need layers >= 1, rows >= 1, weight row >= 1 byte, scale row a positive multiple of 4 bytes")
@@ -47,6 +52,7 @@ func Synthesize(dir string, spec SynthSpec) error {
 		return err
 	}
 	weightMap := map[string]string{}
+	var total int64
 	for layer := 0; layer < spec.Layers; layer++ {
 		shard := fmt.Sprintf("model-%05d-of-%05d.safetensors", layer+1, spec.Layers)
 		var tensors []TensorInfo
@@ -63,19 +69,59 @@ func Synthesize(dir string, spec SynthSpec) error {
 		add(fmt.Sprintf(spec.TableNames, layer, "scale"), "F32", []int64{rows, spec.ScaleRow / 4}, rows*spec.ScaleRow)
 		for _, t := range tensors {
 			weightMap[t.Name] = shard
+			total += t.End - t.Begin
 		}
 		if err := writeShard(filepath.Join(dir, shard), tensors, spec.Seed); err != nil {
 			return err
 		}
 	}
 	idx, err := json.MarshalIndent(map[string]any{
-		"metadata":   map[string]string{"generator": "engramfs synth", "seed": strconv.FormatUint(spec.Seed, 10)},
+		"metadata":   map[string]any{"total_size": total, "generator": "engramfs synth", "seed": strconv.FormatUint(spec.Seed, 10)},
 		"weight_map": weightMap,
 	}, "", "  ")
 	if err != nil {
 		return err
 	}
-	return os.WriteFile(filepath.Join(dir, IndexFile), append(idx, '\n'), 0o644)
+	if err := os.WriteFile(filepath.Join(dir, IndexFile), append(idx, '\n'), 0o644); err != nil {
+		return err
+	}
+	return writeSynthConfig(dir, spec)
+}
+
+// writeSynthConfig writes SynthConfigFiles: a DeepSeek-shaped config naming
+// the engram layers, a tiny byte-level tokenizer and a generation config.
+func writeSynthConfig(dir string, spec SynthSpec) error {
+	layers := make([]int, spec.Layers)
+	for i := range layers {
+		layers[i] = i
+	}
+	vocab := map[string]int{}
+	for i := range 256 {
+		vocab[fmt.Sprintf("<0x%02X>", i)] = i
+	}
+	files := map[string]any{
+		"config.json": map[string]any{
+			"architectures": []string{"EngramSynthForCausalLM"}, "model_type": "engram_synth",
+			"num_hidden_layers": spec.Layers, "engram_layers": layers, "engram_rows": spec.Rows,
+			"engram_weight_bytes": spec.WeightRow, "engram_scale_bytes": spec.ScaleRow,
+			"torch_dtype": "bfloat16", "vocab_size": 256,
+		},
+		"generation_config.json": map[string]any{"bos_token_id": 1, "eos_token_id": 2, "max_new_tokens": 16},
+		"tokenizer.json": map[string]any{
+			"version": "1.0", "model": map[string]any{"type": "BPE", "vocab": vocab, "merges": []string{}, "byte_fallback": true},
+		},
+		"tokenizer_config.json": map[string]any{"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096},
+	}
+	for _, name := range SynthConfigFiles {
+		b, err := json.MarshalIndent(files[name], "", "  ")
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, name), append(b, '\n'), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func writeShard(path string, tensors []TensorInfo, seed uint64) error {

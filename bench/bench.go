@@ -157,9 +157,8 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if ctx.Err() != nil {
 		return rep, ctx.Err()
 	}
-	if rep.Fio.Missing != "" {
-		note("no fio floor: %s (the CPU targets are not judged)", rep.Fio.Missing)
-	}
+	// A missing floor is said by the report's fio line and its targets' n/a
+	// line: no note a third time.
 
 	drop := &dropper{mode: cfg.Drop}
 	for i, gr := range rep.Geometries {

@@ -532,12 +532,22 @@ func (r *Report) WriteTable(w io.Writer) {
 	r.writeServe(w)
 	if len(r.Targets) > 0 {
 		fmt.Fprintf(w, "\ntargets (measured ratio, bound):\n")
+		// Targets whose precondition did not hold say nothing: one line per
+		// geometry and reason names them (the demo had five lines of n/a).
+		type unjudged struct{ geometry, why string }
+		var order []unjudged
+		folded := map[unjudged][]string{}
 		for _, t := range r.Targets {
+			if t.Unmet != "" {
+				k := unjudged{t.Geometry, t.Unmet}
+				if folded[k] == nil {
+					order = append(order, k)
+				}
+				folded[k] = append(folded[k], t.ID)
+				continue
+			}
 			mark := "MISSED"
-			switch {
-			case t.Unmet != "":
-				mark = "n/a   "
-			case t.Met:
+			if t.Met {
 				mark = "met   "
 			}
 			val := fmt.Sprintf("%6.2f", t.Value)
@@ -549,9 +559,9 @@ func (r *Report) WriteTable(w io.Writer) {
 				cmp = "≥"
 			}
 			fmt.Fprintf(w, "  %s %-6s %-72s %s (bound %s %.2f): %s\n", mark, t.Geometry, t.Name, val, cmp, t.Bound, t.Detail)
-			if t.Unmet != "" {
-				fmt.Fprintf(w, "         not judged: %s\n", t.Unmet)
-			}
+		}
+		for _, k := range order {
+			fmt.Fprintf(w, "  n/a    %-6s not judged (%s): %s\n", k.geometry, k.why, strings.Join(folded[k], ", "))
 		}
 	}
 	for _, n := range r.Notes {
@@ -568,6 +578,45 @@ func (r *Report) WriteTable(w io.Writer) {
 			r.ModelRoot, strings.Join(names, ", "), fmtBytes(float64(total)), r.ModelRoot)
 	}
 	fmt.Fprintf(w, "\nratios are time over time (below 1 is faster): ×mmap against path 2; ×disk against one QD1 read (decode) or the chunk's pages at the best measured IOPS (prefill).\n")
+}
+
+// Headline is the run's result in a line a geometry: hinted engramfs's
+// decode step and prefill gather against mmap of the shards, and engramfs
+// without hints; empty when those paths did not run.
+func (r *Report) Headline() string {
+	var lines []string
+	for _, g := range r.Geometries {
+		mmap, hints, eng := g.path(PathMmap), g.path(PathHints), g.path(PathEngramfs)
+		if mmap == nil || mmap.Decode == nil || hints == nil || hints.Decode == nil {
+			continue
+		}
+		line := fmt.Sprintf("%s: %s decode step p50 %s against mmap's %s (%s)", g.Geometry.Name, pathName(hints),
+			fmtDur(hints.Decode.Times.P50), fmtDur(mmap.Decode.Times.P50), timesFaster(hints.Ratios.DecodeVsMmap))
+		if hints.Prefill != nil && hints.Ratios.PrefillVsMmap > 0 {
+			line += fmt.Sprintf(", prefill gather %s", timesFaster(hints.Ratios.PrefillVsMmap))
+		}
+		if eng != nil && eng.Ratios.DecodeVsMmap > 0 {
+			line += fmt.Sprintf("; %s without hints: decode %s", pathName(eng), timesFaster(eng.Ratios.DecodeVsMmap))
+		}
+		lines = append(lines, line)
+	}
+	return strings.Join(lines, "\n")
+}
+
+// pathName is a path's label without the table's number ("5 engramfs+hints").
+func pathName(p *PathResult) string { return strings.TrimLeft(p.Label, "0123456789' ") }
+
+// timesFaster says a time ratio (below 1 is faster) as people say it.
+func timesFaster(ratio float64) string {
+	switch {
+	case ratio <= 0:
+		return "n/a"
+	case ratio < 1:
+		return fmt.Sprintf("%.1f× faster", 1/ratio)
+	case ratio > 1:
+		return fmt.Sprintf("%.1f× slower", ratio)
+	}
+	return "the same"
 }
 
 // statsDelta is after - before for every counter; gauges (signed fields and

@@ -175,10 +175,14 @@ func TestTargets(t *testing.T) {
 	if n != 5 {
 		t.Errorf("%d CPU targets without fio, want 5 (reported as n/a)", n)
 	}
-	for _, s := range []string{"fio floor: n/a (fio is not on PATH)", "n/a    big    daemon CPU/page", "not judged: no fio floor"} {
+	for _, s := range []string{"fio floor: n/a (fio is not on PATH)",
+		"n/a    big    not judged (no fio floor (fio is not on PATH)): cpu-"} {
 		if !strings.Contains(b.String(), s) {
 			t.Errorf("table without fio lacks %q:\n%s", s, b.String())
 		}
+	}
+	if n := strings.Count(b.String(), "not judged"); n != 1 {
+		t.Errorf("the targets not judged take %d lines, want them folded into 1:\n%s", n, b.String())
 	}
 
 	// A path that did not run takes its targets with it.
@@ -278,5 +282,19 @@ func TestStatsDelta(t *testing.T) {
 	d := statsDelta(before, after)
 	if d.FuseReads != 5 || d.BackingBytes != 300 || d.CacheUsedBytes != 3 || !d.CachePinned {
 		t.Errorf("delta = %+v: counters subtract, gauges keep their last value", d)
+	}
+}
+
+// The headline says hinted engramfs against mmap as people say it.
+func TestHeadline(t *testing.T) {
+	r := fakeReport()
+	got := r.Headline()
+	for _, want := range []string{"big: engramfs+hints decode step p50 2.50ms against mmap's", "4.0× faster", "prefill gather 8.3× faster", "without hints: decode"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("headline %q lacks %q", got, want)
+		}
+	}
+	if (&Report{}).Headline() != "" {
+		t.Error("a report without the paths has a headline")
 	}
 }

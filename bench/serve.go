@@ -59,6 +59,11 @@ type ServeConfig struct {
 	// CommandTimeout fails a path whose ranks do not answer a command in
 	// time (a hung daemon) instead of hanging the run.
 	CommandTimeout time.Duration
+	// DecodeOverlap: engramfs+hints gathers a decode step right after its
+	// hints and reads the barrier after the gather, so the gather's faults
+	// join the reads still in flight, instead of waiting for the barrier
+	// first (docs/design.md, Walk 2, "Overlapping the gather").
+	DecodeOverlap bool
 }
 
 // ServePaths are the serving loop's paths, in report order.
@@ -138,6 +143,7 @@ type ServeReport struct {
 	Spec          ServeSpec     `json:"spec"`
 	Compute       time.Duration `json:"compute_ns"`
 	DecodeCompute time.Duration `json:"decode_compute_ns"`
+	DecodeOverlap bool          `json:"decode_overlap,omitempty"`
 	MemLimit      int64         `json:"mem_limit_bytes"`
 	CacheSize     string        `json:"cache_size"`
 	// Cgroup is the memory cgroup the ranks and the daemon ran in, or
@@ -266,7 +272,7 @@ func (r *ServeRun) path(id PathID) *ServePath {
 // and rank count every path, then the floor again.
 func serveRun(ctx context.Context, cfg *Config, dirs map[string]string, flags []string, drop *dropper, prog *progress, note func(string, ...any)) (*ServeReport, error) {
 	sc := &cfg.Serve
-	rep := &ServeReport{Spec: sc.Spec, Compute: sc.Compute, DecodeCompute: sc.DecodeCompute, MemLimit: sc.MemLimit, CacheSize: sc.CacheSize}
+	rep := &ServeReport{Spec: sc.Spec, Compute: sc.Compute, DecodeCompute: sc.DecodeCompute, DecodeOverlap: sc.DecodeOverlap, MemLimit: sc.MemLimit, CacheSize: sc.CacheSize}
 	var shards []string
 	for _, g := range sc.Geometries {
 		ents, err := filepath.Glob(filepath.Join(dirs[g.DirName()], "model-*.safetensors"))
@@ -492,7 +498,7 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 	ranks, err := startRanks(ctx, wrapper, run.Ranks, rankConfig{
 		ModelDir: run.ModelDir, Mountpoint: mountpoint, Path: p, Seed: cfg.Seed, Spec: sc.Spec,
 		GatherWorkers: sc.GatherWorkers, PrefetchThreads: sc.PrefetchThreads, PrefetchTaskRows: sc.PrefetchTaskRows,
-		VerifySample: sc.VerifySample,
+		VerifySample: sc.VerifySample, DecodeOverlap: sc.DecodeOverlap,
 	}, sc.CommandTimeout)
 	if err != nil {
 		return nil, err

@@ -53,6 +53,8 @@ type rankConfig struct {
 	// VerifySample rows of each layer of a chunk are checked against the
 	// model (0: every row); every row of every step is.
 	VerifySample int `json:"verify_sample"`
+	// DecodeOverlap: gather a decode step before its barrier (ServeConfig).
+	DecodeOverlap bool `json:"decode_overlap,omitempty"`
 }
 
 // rankCmd is one command: start the prefetch of a chunk, wait for it and
@@ -369,13 +371,25 @@ func (r *rank) step(rows [][]uint64) (rankReply, error) {
 				return rep, err
 			}
 		}
+		if r.cfg.DecodeOverlap {
+			// The gather first: a page not pushed yet is a fault that
+			// joins its read in flight (the loader's singleflight, or
+			// its hold once read); the barrier then only collects the
+			// counts.
+			rep.Hint = time.Since(start)
+			if err = r.gs.gatherSerial(rows, r.buf, r.out); err != nil {
+				return rep, err
+			}
+		}
 		st, err := r.decode.WaitStatus()
 		if err != nil {
 			return rep, err
 		}
 		rep.Status = &st
-		rep.Hint = time.Since(start)
-		err = r.gs.gatherSerial(rows, r.buf, r.out)
+		if !r.cfg.DecodeOverlap {
+			rep.Hint = time.Since(start)
+			err = r.gs.gatherSerial(rows, r.buf, r.out)
+		}
 	case r.cfg.Path.willneed():
 		err = r.gs.gatherV3(rows, r.buf, r.out)
 	default:

@@ -109,6 +109,9 @@ func (r *Report) writeServe(w io.Writer) {
 	sp := s.Spec
 	fmt.Fprintf(w, "\nserving loop: %d requests, each %d prefill chunks of %d rows a layer (%.0f%% from the far tail) then %d decode steps of %d Zipf(s=%.2g) lookups a layer; compute %v a chunk (the next chunk prefetched meanwhile), %v a step\n",
 		sp.Requests, sp.Chunks, sp.ChunkRows, 100*sp.RareFraction, sp.Steps, sp.StepRows, sp.S, s.Compute, s.DecodeCompute)
+	if s.DecodeOverlap {
+		fmt.Fprintln(w, "decode overlap: engramfs+hints gathers each step right after its hints and reads the barrier after the gather (hints + barrier: the hint writes alone)")
+	}
 	if s.Cgroup != "" {
 		fmt.Fprintf(w, "memory: the ranks and the daemon in a %s; daemon --cache-size %s\n", s.Cgroup, s.CacheSize)
 	} else {
@@ -188,14 +191,14 @@ func (r *Report) writeServe(w io.Writer) {
 				continue
 			}
 			b, n := p.DecodeBarrier, float64(p.Decode.N)
-			fmt.Fprintf(w, "%s decode barriers a step (all ranks): %.0f pages hinted, %.0f pinned, %.0f resident (fetched or found), %.0f failed; hints + barrier p50 %s of the step's %s",
-				p.Label, float64(b.Pages)/n, float64(b.Pinned)/n, float64(b.Resident)/n, float64(b.Failed)/n, fmtDur(p.Hint.P50), fmtDur(p.Decode.P50))
+			fmt.Fprintf(w, "%s decode barriers a step (all ranks): %.0f pages hinted, %.0f pinned, %.0f resident (%.0f of them found cached, %.0f fetched), %.0f failed; hints + barrier p50 %s of the step's %s",
+				p.Label, float64(b.Pages)/n, float64(b.Pinned)/n, float64(b.Resident)/n, float64(b.Cached)/n, float64(b.Resident-b.Cached)/n, float64(b.Failed)/n, fmtDur(p.Hint.P50), fmtDur(p.Decode.P50))
 			if pb := p.PrefillBarrier; pb != nil && p.Chunk.N > 0 {
 				c := float64(p.Chunk.N)
 				fmt.Fprintf(w, "; prefill barriers a chunk: %.0f pages, %.0f dropped, %.0f failed", float64(pb.Pages)/c, float64(pb.Dropped)/c, float64(pb.Failed)/c)
 			}
 			if d := p.Daemon; d != nil {
-				fmt.Fprintf(w, "; %s hinted pages FUSE read anyway", fmtCount(float64(d.Refaulted)))
+				fmt.Fprintf(w, "; %s hinted pages FUSE read anyway, %s pushed pages evicted before use", fmtCount(float64(d.Refaulted)), fmtCount(float64(d.Stats.PrefetchPushedEvicted)))
 			}
 			fmt.Fprintln(w)
 		}

@@ -267,8 +267,8 @@ func (p *Pinner) readInto(table uint32, off int64, b []byte) ([]byte, error) {
 }
 
 // setPinnedExcept records pages [first, first+n) of table pinned, but for
-// the sorted pages skip.
-func (p *Pinner) setPinnedExcept(table uint32, first, n uint64, skip []uint64) {
+// the sorted pages skip; false as setPinned (pinning was disabled meanwhile).
+func (p *Pinner) setPinnedExcept(table uint32, first, n uint64, skip []uint64) bool {
 	for q := first; q < first+n; {
 		if len(skip) > 0 && skip[0] == q {
 			skip, q = skip[1:], q+1
@@ -278,9 +278,12 @@ func (p *Pinner) setPinnedExcept(table uint32, first, n uint64, skip []uint64) {
 		if len(skip) > 0 {
 			end = skip[0]
 		}
-		p.setPinned(table, q, end-q, true)
+		if !p.setPinned(table, q, end-q, true) {
+			return false
+		}
 		q = end
 	}
+	return true
 }
 
 // closeCharges closes /proc/kpagecgroup. Close calls it.

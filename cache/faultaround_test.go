@@ -228,6 +228,21 @@ func TestPinnerAuditWidensTheTrim(t *testing.T) {
 	wantLocked(t, base, int(p.PinnedPages()), "a pin after the audit")
 }
 
+// requireExact fails the test where table 0 of p should have exact faults
+// and has not (a 6.12+ kernel), and skips it before 6.12.
+func requireExact(t *testing.T, p *Pinner) {
+	t.Helper()
+	p.mu.RLock()
+	exact := p.exact[0]
+	p.mu.RUnlock()
+	if !exact {
+		if kernelAtLeast(6, 12) {
+			t.Fatal("exact faults unavailable on a 6.12+ kernel (userfaultfd write-protect, UFFD_FEATURE_WP_ASYNC): see the log")
+		}
+		t.Skip("exact faults unavailable before 6.12; the trim is tested by the other pinner tests")
+	}
+}
+
 // TestReachesPast: the probe for a folio reaching past the fault-around
 // windows steps over pages we pinned (mapped anyway) to the first one we
 // did not, and needs none at a page table's end.
@@ -284,15 +299,7 @@ func TestPinnerExactFaults(t *testing.T) {
 	if err := p.Pin(PageKey{Page: 300}); err != nil {
 		t.Fatal(err)
 	}
-	p.mu.RLock()
-	exact := p.exact[0]
-	p.mu.RUnlock()
-	if !exact {
-		if kernelAtLeast(6, 12) {
-			t.Fatal("exact faults unavailable on a 6.12+ kernel (userfaultfd write-protect, UFFD_FEATURE_WP_ASYNC): see the log")
-		}
-		t.Skip("exact faults unavailable before 6.12; the trim is tested by the other pinner tests")
-	}
+	requireExact(t, p)
 	wantLocked(t, base, 1, "one page pinned")
 	for _, r := range [][2]uint64{{40, 1}, {41, 7}, {511, 2}, {700, 100}} {
 		if err := p.PinRun(0, r[0], r[1]); err != nil {

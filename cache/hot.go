@@ -48,6 +48,9 @@ type HotCache struct {
 	// How long the worker gathers a batch: pinDelay when the queue holds a
 	// hint's changes, faultPinDelay when only faults'. Tests change them.
 	pinDelay, faultPinDelay time.Duration
+	// gatherWaits, when set (tests, before the first Admit), hears the
+	// worker start waiting for a batch to fill, with the pages queued.
+	gatherWaits func(queued int)
 
 	kick chan struct{} // capacity 1: there is work
 	stop chan struct{}
@@ -312,9 +315,13 @@ func (h *HotCache) gather() bool {
 			delay = h.pinDelay
 		}
 		wait := time.Until(h.queuedAt.Add(delay))
+		queued := len(h.queue)
 		h.mu.Unlock()
 		if ready || wait <= 0 {
 			return true
+		}
+		if h.gatherWaits != nil {
+			h.gatherWaits(queued)
 		}
 		if t == nil {
 			t = time.NewTimer(wait)

@@ -78,7 +78,7 @@ func watchLocked(t *testing.T, base, limit int64) (stop func() (checks int)) {
 // VmLck, CacheUsedBytes and Pinned agree.
 func checkConsistent(t *testing.T, h *HotCache, st *stats.Counters, base int64) {
 	t.Helper()
-	h.Flush()
+	flush(t, h)
 	keys := h.Keys()
 	for _, k := range keys {
 		if !h.Pinned(k) {
@@ -194,7 +194,7 @@ func TestHotCacheScanResistance(t *testing.T) {
 					named[k]++
 				}
 				if i%100 == 99 {
-					h.Flush()
+					flush(t, h)
 				}
 			}
 			checkConsistent(t, h, st, base)
@@ -257,7 +257,7 @@ func TestHotCacheCloseUnlocksAll(t *testing.T) {
 		t.Fatal("pages still reported pinned after Close")
 	}
 	h.Admit(ks, SignalDecode)
-	h.Flush()
+	flush(t, h)
 	if err := h.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
 	}
@@ -299,7 +299,7 @@ func TestHotCacheConcurrentAdmit(t *testing.T) {
 			}
 		}()
 	}
-	wg.Wait()
+	within(t, "the admitting goroutines", wg.Wait)
 	checkConsistent(t, h, st, base)
 	t.Logf("VmLck checked %d times; Pinned true %d times; %+v; dropped %d", stop(), pinnedSeen.Load(), st.Snapshot(), st.CachePinDropped.Load())
 	if err := h.Close(); err != nil {
@@ -375,12 +375,12 @@ func TestHotCacheUnpinned(t *testing.T) {
 		h, p, st := newHot(t, 10, zap.NewNop(), f)
 		p.mlock = func([]byte) error { return unix.EPERM }
 		h.Admit([]PageKey{pk(1), pk(2)}, SignalDecode)
-		h.Flush()
+		flush(t, h)
 		if st.CachePinned.Load() || h.Pinned(pk(1)) {
 			t.Fatal("pinned after mlock was refused")
 		}
 		h.Admit([]PageKey{pk(1), pk(3)}, SignalDecode) // the policy still runs
-		h.Flush()
+		flush(t, h)
 		if s := st.Snapshot(); s.CacheHits != 1 || s.CacheMisses != 3 || s.CacheUsedBytes != 0 {
 			t.Fatalf("unpinned tier: %+v", s)
 		}
@@ -390,7 +390,7 @@ func TestHotCacheUnpinned(t *testing.T) {
 		st := &stats.Counters{}
 		h := NewHotCache(10*PageSize, nil, st, nil)
 		h.Admit([]PageKey{pk(1), pk(1)}, SignalDecode)
-		h.Flush()
+		flush(t, h)
 		if st.CachePinned.Load() || h.Pinned(pk(1)) || st.CacheHits.Load() != 1 || st.CacheMisses.Load() != 1 {
 			t.Fatalf("no pinner: %+v", st.Snapshot())
 		}
@@ -402,7 +402,7 @@ func TestHotCacheUnpinned(t *testing.T) {
 		st := &stats.Counters{}
 		h := NewHotCache(0, NewPinner(nil, nil), st, nil)
 		h.Admit([]PageKey{pk(1)}, SignalDecode)
-		h.Flush()
+		flush(t, h)
 		if s := st.Snapshot(); s.CachePinned || s.CacheCapacityBytes != 0 || s.CacheMisses != 0 || h.Keys() != nil {
 			t.Fatalf("disabled cache: %+v", s)
 		}
@@ -443,7 +443,7 @@ func TestHotCacheMappingLockRefused(t *testing.T) {
 	p.lockMapping = func([]byte) error { return unix.ENOMEM }
 	for range 3 {
 		h.Admit([]PageKey{pk(1), pk(2), pk(3)}, SignalDecode)
-		h.Flush()
+		flush(t, h)
 	}
 	s := st.Snapshot()
 	if s.CachePinned || s.CacheMode != "unpinned" || s.CacheUsedBytes != 0 || h.Pinned(pk(1)) || p.Available() {
@@ -480,7 +480,7 @@ func BenchmarkHotCacheAdmit(b *testing.B) {
 		steps[i] = z.decodeStep(rng, 72, nil)
 		h.Admit(steps[i], SignalDecode)
 	}
-	h.Flush()
+	flush(b, h)
 	for _, bc := range []struct {
 		name string
 		n    int
@@ -516,7 +516,7 @@ func TestHotCacheOwnPopulateFaultIsNoAccess(t *testing.T) {
 		return populate(b)
 	}
 	h.Admit([]PageKey{pk(3)}, SignalDecode)
-	h.Flush()
+	flush(t, h)
 	if !h.Pinned(pk(3)) || len(own) != 1 || !own[0] {
 		t.Fatalf("page 3: pinned %v, OwnFault during its populate %v", h.Pinned(pk(3)), own)
 	}

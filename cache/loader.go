@@ -73,6 +73,7 @@ type Loader struct {
 	flights  map[PageKey]*flight     // GUARDED_BY(mu)
 	held     map[PageKey][]byte      // GUARDED_BY(mu): fetched by FetchHeld, not yet Released
 	negative map[PageKey]negativeHit // GUARDED_BY(mu)
+	negOrder negativeOrder           // GUARDED_BY(mu): negative's keys, oldest first
 
 	inline atomic.Int32 // faults reading on their own goroutine now
 }
@@ -391,15 +392,11 @@ func (p openPart) flush(table uint32, first uint64, pages [][]byte, err error) {
 // REQUIRES(l.mu)
 func (l *Loader) remember(k PageKey, err error) {
 	now := l.now()
+	l.negOrder.expire(l.negative, now)
 	if len(l.negative) >= maxNegative {
-		for nk, hit := range l.negative {
-			if !now.Before(hit.until) {
-				delete(l.negative, nk)
-			}
-		}
-		if len(l.negative) >= maxNegative {
-			return // a flood of bad pages: they are read again, never wrong
-		}
+		return // a flood of bad pages: they are read again, never wrong
 	}
-	l.negative[k] = negativeHit{err: err, until: now.Add(NegativeTTL)}
+	until := now.Add(NegativeTTL)
+	l.negative[k] = negativeHit{err: err, until: until}
+	l.negOrder.push(k, until)
 }

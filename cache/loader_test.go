@@ -123,7 +123,7 @@ func TestLoaderSingleflight(t *testing.T) {
 		return fl != nil && len(fl.waiters) == n
 	})
 	close(fb.released)
-	wg.Wait()
+	within(t, "the loads", wg.Wait)
 	if r := fb.readCount(); r != 1 {
 		t.Fatalf("%d loads of one page made %d backing reads, want 1", n, r)
 	}
@@ -159,7 +159,7 @@ func TestLoaderFetchBatches(t *testing.T) {
 			wg.Done()
 		}
 	})
-	wg.Wait()
+	within(t, "the loads", wg.Wait)
 	if fb.submits != 1 {
 		t.Fatalf("%d Submit calls for one Fetch, want 1", fb.submits)
 	}
@@ -200,15 +200,17 @@ func TestLoaderBadPageFailsOnlyItself(t *testing.T) {
 			got <- err
 		}
 	})
-	pages, err := l.Load(0, 20, 1, OriginFault)
+	pages, err := load(t, l, 0, 20, 1, OriginFault)
 	if err != nil {
 		t.Fatalf("a good page of a failing run: %v", err)
 	}
 	wantPage(t, tb, 20, pages[0])
 	close(fb.released)
-	for range 63 {
-		<-got
-	}
+	within(t, "the fetch's 63 pages", func() {
+		for range 63 {
+			<-got
+		}
+	})
 	if bad.Load() != 1 {
 		t.Fatalf("%d pages failed, want 1", bad.Load())
 	}
@@ -236,7 +238,7 @@ func TestLoaderShardChangedNotRetried(t *testing.T) {
 	fb := newFakeBacking()
 	fb.changed = true
 	l := NewLoader(fb, []*backing.Table{tb}, &stats.Counters{})
-	pages, err := l.Load(0, 1, 40, OriginFault)
+	pages, err := load(t, l, 0, 1, 40, OriginFault)
 	if !errors.Is(err, backing.ErrShardChanged) {
 		t.Fatalf("got %v, want ErrShardChanged", err)
 	}
@@ -248,7 +250,7 @@ func TestLoaderShardChangedNotRetried(t *testing.T) {
 	if r := fb.readCount(); r != 1 {
 		t.Fatalf("%d backing reads, want 1", r)
 	}
-	if _, err := l.Load(0, 1, 1, OriginFault); !errors.Is(err, backing.ErrShardChanged) || fb.readCount() != 2 {
+	if _, err := load(t, l, 0, 1, 1, OriginFault); !errors.Is(err, backing.ErrShardChanged) || fb.readCount() != 2 {
 		t.Fatalf("second load: %v after %d reads, want a new read", err, fb.readCount())
 	}
 }
@@ -264,11 +266,11 @@ func TestLoaderNegativeCache(t *testing.T) {
 	now := time.Unix(1000, 0)
 	var clock sync.Mutex
 	l.now = func() time.Time { clock.Lock(); defer clock.Unlock(); return now }
-	if _, err := l.Load(0, 3, 1, OriginFault); !errors.Is(err, syscall.EIO) {
+	if _, err := load(t, l, 0, 3, 1, OriginFault); !errors.Is(err, syscall.EIO) {
 		t.Fatalf("first load: %v, want EIO", err)
 	}
 	for range 100 {
-		if _, err := l.Load(0, 3, 1, OriginFault); !errors.Is(err, syscall.EIO) {
+		if _, err := load(t, l, 0, 3, 1, OriginFault); !errors.Is(err, syscall.EIO) {
 			t.Fatalf("load within the TTL: %v, want EIO", err)
 		}
 	}
@@ -276,13 +278,13 @@ func TestLoaderNegativeCache(t *testing.T) {
 		t.Fatalf("%d backing reads and %d fail-fast pages, want 1 and 100", r, ff)
 	}
 	// Its neighbours are not affected.
-	if _, err := l.Load(0, 4, 1, OriginFault); err != nil {
+	if _, err := load(t, l, 0, 4, 1, OriginFault); err != nil {
 		t.Fatal(err)
 	}
 	clock.Lock()
 	now = now.Add(NegativeTTL)
 	clock.Unlock()
-	pages, err := l.Load(0, 3, 1, OriginFault)
+	pages, err := load(t, l, 0, 3, 1, OriginFault)
 	if err != nil {
 		t.Fatalf("after the TTL: %v, want the data (the fault was transient)", err)
 	}
@@ -295,7 +297,7 @@ func TestLoaderShortReadIsAnError(t *testing.T) {
 	fb := newFakeBacking()
 	fb.short = true
 	l := NewLoader(fb, []*backing.Table{tb}, &stats.Counters{})
-	pages, err := l.Load(0, 2, 4, OriginFault)
+	pages, err := load(t, l, 0, 2, 4, OriginFault)
 	if err == nil {
 		t.Fatal("a short backing answer was accepted")
 	}
@@ -373,7 +375,7 @@ func TestLoaderConcurrentOverlaps(t *testing.T) {
 			}
 		})
 	}
-	wg.Wait()
+	within(t, "the loads", wg.Wait)
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if len(l.flights) != 0 {
@@ -439,7 +441,7 @@ func TestLoaderInlineFaultsAreBounded(t *testing.T) {
 	}
 	waitUntilLoader(t, func() bool { return int(fb.syncs.Load())+fb.readCount() == faults })
 	close(fb.released)
-	wg.Wait()
+	within(t, "the loads", wg.Wait)
 	if most := fb.most.Load(); most > maxInline || most == 0 {
 		t.Errorf("%d faults read inline at once, want 1 to %d", most, maxInline)
 	}
@@ -484,7 +486,7 @@ func TestLoaderHeldPagesServeFaultsUntilReleased(t *testing.T) {
 	// load faults pages [first, first+n) in and checks their bytes.
 	load := func(first, n uint64) {
 		t.Helper()
-		pages, err := l.Load(0, first, n, OriginFault)
+		pages, err := load(t, l, 0, first, n, OriginFault)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -543,7 +545,7 @@ func TestLoaderFailedHeldReadHoldsNothing(t *testing.T) {
 	if held != 0 {
 		t.Fatalf("%d pages held after a failed read, want 0", held)
 	}
-	pages, err := l.Load(0, 3, 1, OriginFault)
+	pages, err := load(t, l, 0, 3, 1, OriginFault)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -98,6 +98,10 @@ type Pinner struct {
 	closed   bool           // GUARDED_BY(mu)
 	inflight sync.WaitGroup // calls using a mapping; Close waits for them before munmap
 
+	// mapping is, per table, non-nil while the table's first map is under
+	// way (run), and closed when it is done. GUARDED_BY(mu)
+	mapping []chan struct{}
+
 	pagemapOnce sync.Once
 	pagemap     *os.File      // /proc/self/pagemap; nil if it cannot be read
 	trims       atomic.Uint64 // trimFaultAround calls, for its audits
@@ -233,7 +237,11 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 	if err != nil {
 		// Whatever did get mapped (the run's pages up to the failure and
 		// their fault-around neighbours) is locked: unmap all that is not
-		// pinned.
+		// pinned. The run itself first: with exact faults the trim reads
+		// nothing (it trusts that only pinned pages are mapped), so the
+		// pages populated before the failure stayed locked, unrecorded,
+		// until an audit found them and turned exact faults off for good.
+		p.unmapUnpinned(table, first, n)
 		p.trimFaultAround(table, first, n)
 		if errors.Is(err, unix.EPERM) {
 			p.disable(err)
@@ -242,13 +250,36 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 		return wrapRun("pin", table, first, n, fmt.Errorf("populate: %w", err))
 	}
 	if len(foreign) > 0 {
-		p.setPinnedExcept(table, first, n, foreign)
+		if !p.setPinnedExcept(table, first, n, foreign) {
+			return ErrPinUnavailable // as below
+		}
 		p.trimFaultAround(table, first, n)
 		return wrapRun("pin", table, first, n, fmt.Errorf("%d of its pages: %w", len(foreign), ErrChargedElsewhere))
 	}
-	p.setPinned(table, first, n, true)
+	if !p.setPinned(table, first, n, true) {
+		// disable ran during the populate: it unlocked the mapping and
+		// cleared the bits; recording the run now would report pages
+		// pinned that are not, and hints would skip them for good.
+		return ErrPinUnavailable
+	}
 	p.trimFaultAround(table, first, n)
 	return nil
+}
+
+// unmapUnpinned unmaps (so unlocks) the pages of [first, first+n) of table
+// that are mapped and not pinned: what a populate that failed part way
+// left behind. LOCKS_EXCLUDED(p.mu)
+func (p *Pinner) unmapUnpinned(table uint32, first, n uint64) {
+	p.mu.RLock()
+	b := p.maps[table]
+	if b == nil {
+		p.mu.RUnlock()
+		return
+	}
+	pages := (uint64(len(b)) + PageSize - 1) / PageSize
+	runs := unpinnedRuns(nil, p.pinned[table], first, min(first+n, pages), nil)
+	p.mu.RUnlock()
+	p.unmapRuns(table, b, runs)
 }
 
 // tablePages is the reach of one page table (PTRS_PER_PTE pages, 2 MiB):
@@ -489,9 +520,16 @@ func faultWindow(base, first, n, span, pages uint64) (lo, hi uint64) {
 	return lo, hi
 }
 
-func (p *Pinner) setPinned(table uint32, first, n uint64, on bool) {
+// setPinned records pages [first, first+n) of table as pinned (on) or not.
+// Once pinning is disabled it records no pin and returns false: disable
+// clears the bits under p.mu after setting unavailable, so a run populated
+// before it and recorded after it would stay marked forever.
+func (p *Pinner) setPinned(table uint32, first, n uint64, on bool) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if on && p.unavailable.Load() {
+		return false
+	}
 	bits := p.pinned[table]
 	for q := first; q < first+n && q/64 < uint64(len(bits)); q++ {
 		w, m := &bits[q/64], uint64(1)<<(q%64)
@@ -504,6 +542,7 @@ func (p *Pinner) setPinned(table uint32, first, n uint64, on bool) {
 			p.count.Add(-1)
 		}
 	}
+	return true
 }
 
 // populate maps the pages of r (so, in a locked mapping, locks them); a
@@ -677,48 +716,90 @@ func (p *Pinner) run(table uint32, first, n uint64, create bool) ([]byte, error)
 		return nil, fmt.Errorf("past the end of %s (%d bytes)", f.Path, f.Size)
 	}
 	p.mu.Lock()
-	if p.closed {
+	var b []byte
+	for {
+		if p.closed {
+			p.mu.Unlock()
+			return nil, errPinnerClosed
+		}
+		if b = p.maps[table]; b != nil || !create {
+			break
+		}
+		if p.unavailable.Load() {
+			p.mu.Unlock()
+			return nil, ErrPinUnavailable
+		}
+		var wait chan struct{}
+		if p.mapping != nil {
+			wait = p.mapping[table]
+		}
+		if wait == nil {
+			break
+		}
+		// Another call is mapping the table: wait for its mapping rather
+		// than make a second one. Two at once (the pin worker and a
+		// prefill hint's ResidentRun on a table's first use) were each
+		// charged the whole table by mlock2 under a finite
+		// RLIMIT_MEMLOCK, and the second's ENOMEM turned pinning off for
+		// good with a warning that blamed the limit (9 runs of 9).
 		p.mu.Unlock()
-		return nil, errPinnerClosed
+		<-wait
+		p.mu.Lock()
 	}
-	b := p.maps[table]
 	if b == nil && !create {
 		p.mu.Unlock()
 		return nil, nil
 	}
 	p.inflight.Add(1) // from here on Close waits for this call
-	p.mu.Unlock()
 	if b == nil {
-		// Map outside the lock: open and mmap go through our own FUSE
-		// handlers when the file is on the mount.
-		m, err := p.mmap(f)
+		if p.mapping == nil {
+			p.mapping = make([]chan struct{}, len(p.files))
+		}
+		done := make(chan struct{})
+		p.mapping[table] = done
+		p.mu.Unlock()
+		var err error
+		b, err = p.mapTable(table)
+		p.mu.Lock()
+		p.mapping[table] = nil
+		close(done)
 		if err != nil {
+			p.mu.Unlock()
 			p.inflight.Done()
 			return nil, err
 		}
-		// Lock the whole mapping, on fault: one VMA, nothing read yet. If
-		// the kernel refuses (ENOMEM: RLIMIT_MEMLOCK without CAP_IPC_LOCK,
-		// charged for the whole mapping), pages mapped here would not be
-		// locked: run unpinned rather than claim them.
-		if err := p.lockMapping(m); err != nil {
-			_ = unix.Munmap(m)
-			p.inflight.Done()
-			p.disable(fmt.Errorf("mlock2(MLOCK_ONFAULT) of %s (%d bytes): %w", f.Path, len(m), err))
-			return nil, ErrPinUnavailable
-		}
-		exact := p.makeExact(f, m)
-		p.mu.Lock()
-		if b = p.maps[table]; b == nil {
-			p.maps[table], b = m, m
-			p.pinned[table] = make([]uint64, (uint64(len(m))/PageSize+64)/64)
-			p.exact[table] = exact
-		} else {
-			_ = unix.Munmap(m) // another call mapped it first
-		}
-		p.mu.Unlock()
 	}
+	p.mu.Unlock()
 	end := min((first+n)*PageSize, size)
 	return b[first*PageSize : end : end], nil
+}
+
+// mapTable maps table's file and locks the mapping (on fault), and records
+// it: the first use of a table, one call at a time (run). LOCKS_EXCLUDED(p.mu)
+func (p *Pinner) mapTable(table uint32) ([]byte, error) {
+	f := p.files[table]
+	// Map outside the lock: open and mmap go through our own FUSE
+	// handlers when the file is on the mount.
+	m, err := p.mmap(f)
+	if err != nil {
+		return nil, err
+	}
+	// Lock the whole mapping, on fault: one VMA, nothing read yet. If
+	// the kernel refuses (ENOMEM: RLIMIT_MEMLOCK without CAP_IPC_LOCK,
+	// charged for the whole mapping), pages mapped here would not be
+	// locked: run unpinned rather than claim them.
+	if err := p.lockMapping(m); err != nil {
+		_ = unix.Munmap(m)
+		p.disable(fmt.Errorf("mlock2(MLOCK_ONFAULT) of %s (%d bytes): %w", f.Path, len(m), err))
+		return nil, ErrPinUnavailable
+	}
+	exact := p.makeExact(f, m)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.maps[table] = m
+	p.pinned[table] = make([]uint64, (uint64(len(m))/PageSize+64)/64)
+	p.exact[table] = exact
+	return m, nil
 }
 
 func mapFile(f TableFile) ([]byte, error) {

@@ -361,27 +361,7 @@ func TestTierScanResistance(t *testing.T) {
 			rng := rand.New(rand.NewPCG(3, 4))
 			tr := NewTier(rows / 50 * PageSize)
 			var c Changes
-			var step []PageKey
-			// Warm up until protected is full: then every page a scan
-			// promotes (through a ghost hit) demotes a decode-hot page.
-			protectedMax := 0
-			for i := range tr.stripes {
-				protectedMax += tr.stripes[i].protectedMax
-			}
-			var hot []PageKey
-			for steps := 0; len(hot) < protectedMax*99/100; steps++ {
-				if steps == 10_000 {
-					t.Fatalf("warm-up protected only %d of %d pages", len(hot), protectedMax)
-				}
-				step = z.decodeStep(rng, 72, step[:0])
-				tr.Access(step, SignalDecode, &c)
-				if steps%100 == 0 {
-					hot = hot[:0]
-					for i := range tr.stripes {
-						hot = tr.stripes[i].appendList(hot, segProtected)
-					}
-				}
-			}
+			hot := warmProtected(t, tr, z, rng)
 			scan := scanPages(rng, rows, 100_000)
 			for i := 0; i < len(scan); i += tc.batch {
 				tr.Access(scan[i:i+tc.batch], tc.sig, &c)
@@ -401,6 +381,34 @@ func TestTierScanResistance(t *testing.T) {
 			}
 		})
 	}
+}
+
+// warmProtected runs decode steps until tr's protected segments are full,
+// and returns their pages: from then on every page a scan promotes (through
+// a ghost hit) demotes a decode-hot page.
+func warmProtected(t *testing.T, tr *Tier, z *zipfRows, rng *rand.Rand) []PageKey {
+	t.Helper()
+	var c Changes
+	var step []PageKey
+	protectedMax := 0
+	for i := range tr.stripes {
+		protectedMax += tr.stripes[i].protectedMax
+	}
+	var hot []PageKey
+	for steps := 0; len(hot) < protectedMax*99/100; steps++ {
+		if steps == 10_000 {
+			t.Fatalf("warm-up protected only %d of %d pages", len(hot), protectedMax)
+		}
+		step = z.decodeStep(rng, 72, step[:0])
+		tr.Access(step, SignalDecode, &c)
+		if steps%100 == 0 {
+			hot = hot[:0]
+			for i := range tr.stripes {
+				hot = tr.stripes[i].appendList(hot, segProtected)
+			}
+		}
+	}
+	return hot
 }
 
 func TestTierConcurrentAccess(t *testing.T) {
@@ -455,5 +463,57 @@ func TestTierConcurrentAccess(t *testing.T) {
 	}
 	if len(keys) != tr.Len() || len(keys) > tr.Capacity() {
 		t.Fatalf("%d keys, Len %d, capacity %d", len(keys), tr.Len(), tr.Capacity())
+	}
+}
+
+// Prefill scans that come back: a chunk is prefilled, then prefilled again
+// (a retried request, the next rank's copy) while decode goes on. The second
+// pass finds the chunk's pages in probation or on the ghost list, which is
+// where the prefill rules matter: a prefill hit never promotes and a
+// remembered page re-enters probation, never protected. Each of those rules
+// was caught by one unit test alone, and the scans above name each page once.
+func TestTierScanResistanceRepeatedPrefill(t *testing.T) {
+	const rows = 1_000_000
+	z := newZipfRows(rows, 0.9)
+	rng := rand.New(rand.NewPCG(5, 6))
+	tr := NewTier(rows / 50 * PageSize)
+	var c Changes
+	var step []PageKey
+	hot := warmProtected(t, tr, z, rng)
+	hotSet := map[PageKey]bool{}
+	for _, k := range hot {
+		hotSet[k] = true
+	}
+	for range 20 {
+		chunk := scanPages(rng, rows, 5_000)
+		for range 3 { // the chunk, then the same chunk twice more
+			tr.Access(chunk, SignalPrefill, &c)
+		}
+		for range 5 {
+			step = z.decodeStep(rng, 72, step[:0])
+			tr.Access(step, SignalDecode, &c)
+		}
+	}
+	kept, protectedScan := 0, 0
+	for _, k := range hot {
+		if tr.Contains(k) {
+			kept++
+		}
+	}
+	var prot []PageKey
+	for i := range tr.stripes {
+		prot = tr.stripes[i].appendList(prot, segProtected)
+	}
+	for _, k := range prot {
+		if !hotSet[k] {
+			protectedScan++
+		}
+	}
+	t.Logf("repeated prefill scans: %d of %d decode-hot pages kept; %d of %d protected pages are new", kept, len(hot), protectedScan, len(prot))
+	if kept*10 < len(hot)*9 {
+		t.Fatalf("repeated prefill scans kept %d of %d decode-hot pages, want >= 90%%", kept, len(hot))
+	}
+	if protectedScan*10 > len(prot) {
+		t.Fatalf("%d of %d protected pages came in with the scans, want <= 10%%: prefill promoted pages", protectedScan, len(prot))
 	}
 }

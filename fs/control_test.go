@@ -5,14 +5,20 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 
+	"github.com/engramfs/engramfs/backing"
+	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/hints"
 	"github.com/engramfs/engramfs/internal/stats"
 	"github.com/engramfs/engramfs/prefetch"
@@ -25,6 +31,8 @@ type hintLog struct {
 	recorder[hintPart]
 	cfgMu sync.Mutex
 	cfg   prefetch.Config // GUARDED_BY(cfgMu)
+	// released are the barriers of the handles released. GUARDED_BY(cfgMu)
+	released []*prefetch.Barrier
 }
 
 type hintPart struct {
@@ -39,6 +47,12 @@ func newHintLog() *hintLog { return &hintLog{cfg: prefetch.DefaultConfig(4)} }
 
 func (h *hintLog) SubmitPart(b *prefetch.Barrier, class hints.Class, layer int, rows []uint64, frameEnd bool) {
 	h.add(hintPart{b: b, class: class, layer: layer, rows: slices.Clone(rows), end: frameEnd})
+}
+
+func (h *hintLog) Release(b *prefetch.Barrier) {
+	h.cfgMu.Lock()
+	defer h.cfgMu.Unlock()
+	h.released = append(h.released, b)
 }
 
 func (h *hintLog) Config() prefetch.Config {
@@ -345,17 +359,12 @@ func rowPages(t *testing.T, tr *tree, layer int, rows []uint64) map[[2]uint64]bo
 	return out
 }
 
-// readBarrier reads the barrier of handle fh and parses its line.
+// readBarrier reads the barrier of handle fh and parses its line, which
+// must hold the counts alone.
 func readBarrier(t *testing.T, tr *tree, node, fh uint64) map[string]uint64 {
 	t.Helper()
-	b := tr.mustRead(node, fh, 0, 4096)
-	if len(b) == 0 || b[len(b)-1] != '\n' || bytes.Count(b, []byte("\n")) != 1 {
-		t.Fatalf("barrier: %q, want one line of JSON", b)
-	}
 	var st map[string]uint64
-	if err := json.Unmarshal(b, &st); err != nil {
-		t.Fatalf("barrier line %q: %v", b, err)
-	}
+	readBarrierInto(t, tr, node, fh, &st)
 	keys := slices.Sorted(func(yield func(string) bool) {
 		for k := range st {
 			if !yield(k) {
@@ -363,8 +372,8 @@ func readBarrier(t *testing.T, tr *tree, node, fh uint64) map[string]uint64 {
 			}
 		}
 	})
-	if !slices.Equal(keys, []string{"dropped", "failed", "frames", "pages", "pinned", "resident"}) {
-		t.Fatalf("barrier fields %v, want dropped failed frames pages pinned resident", keys)
+	if !slices.Equal(keys, []string{"cached", "dropped", "failed", "frames", "pages", "pinned", "resident"}) {
+		t.Fatalf("barrier fields %v, want cached dropped failed frames pages pinned resident", keys)
 	}
 	return st
 }
@@ -536,5 +545,283 @@ func TestStatsFile(t *testing.T) {
 	var generic map[string]any
 	if err := json.Unmarshal(whole, &generic); err != nil || generic["fuse_reads"] == nil || generic["hint_frames"] == nil {
 		t.Fatalf("stats lacks fuse_reads or hint_frames: %s", whole)
+	}
+}
+
+// gatedTree serves a flash tree of rows rows whose backing reads wait for
+// gate to close, with a real prefetcher (cfg) behind its control file that
+// pushes into a pushLog; reads counts the backing reads' pages.
+func gatedTree(t *testing.T, rows uint64, cfg prefetch.Config) (tr *tree, gate chan struct{}, p *prefetch.Prefetcher, reads *atomic.Int64) {
+	t.Helper()
+	gate = make(chan struct{})
+	reads = &atomic.Int64{}
+	h := &lateHinter{}
+	tr = newTree(t, treeConfig{flash: true, rows: rows, hints: h, reader: func() backing.Reader {
+		return backing.ReaderFunc(func(_ *backing.Table, _ int64, n int) ([]byte, error) {
+			<-gate
+			reads.Add(int64(n+cache.PageSize-1) / cache.PageSize)
+			return make([]byte, n), nil
+		})
+	}})
+	p = prefetch.New(cfg, tr.model, tr.loader, &pushLog{}, nil, tr.st, nil)
+	h.HintSink = p
+	t.Cleanup(p.Close)
+	t.Cleanup(func() {
+		select {
+		case <-gate:
+		default:
+			close(gate)
+		}
+	})
+	return tr, gate, p, reads
+}
+
+// A decode frame larger than --decode-queue is taken a write at a time as
+// the backlog has room: a write that continues it while the backlog is
+// full waits (a signal ends the wait with EINTR, nothing of the write
+// taken), so the handle never holds more than the bound and one write's
+// pages. Prefill frames are never refused on a full decode backlog.
+func TestControlDecodeFrameWaitsForRoom(t *testing.T) {
+	const bound = 256
+	tr, gate, _, _ := gatedTree(t, 100_000, prefetch.Config{InflightPages: 16, Pushers: 1, PrefillQueuePages: 1 << 16, DecodeQueuePages: bound})
+	node := tr.node(controlPath)
+	fh := tr.open(node, syscall.O_RDWR).Fh
+	rows := make([]uint64, 60_000)
+	for i := range rows {
+		rows[i] = uint64(i)
+	}
+	frame := hints.AppendBinary(nil, hints.Decode, 0, rows)
+	first := 12 + 8*10_000 // the header and 10,000 rows: 625 weight pages and 20 scale pages
+	if _, s := tr.write(node, fh, 0, frame[:first]); s != fuse.OK {
+		t.Fatalf("first write of the frame: %v", s)
+	}
+	queued := tr.st.PrefetchPagesQueued.Load()
+	if queued < bound {
+		t.Fatalf("%d pages queued by the first write; the test needs more than %d", queued, bound)
+	}
+
+	// The backing reads wait, so the backlog cannot drain: the next
+	// write of the frame waits; interrupted, it fails with EINTR and
+	// takes nothing.
+	interrupted := make(chan struct{})
+	close(interrupted)
+	in := fuse.WriteIn{InHeader: tr.hdr(node), Fh: fh, Size: uint32(len(frame) - first)}
+	if n, s := tr.raw.Write(interrupted, &in, frame[first:]); s != fuse.Status(syscall.EINTR) {
+		t.Fatalf("continuing a decode frame over a full backlog: %d, %v; want EINTR (%d pages queued now, bound %d)",
+			n, s, tr.st.PrefetchPagesQueued.Load(), bound)
+	}
+	if q := tr.st.PrefetchPagesQueued.Load(); q != queued {
+		t.Fatalf("%d pages queued after the interrupted write, want %d: it took rows", q, queued)
+	}
+	// The interrupted frame is over (the kernel reported a short write):
+	// the next write starts a new frame.
+	frames := tr.st.HintFrames.Load()
+	if _, s := tr.write(node, fh, 0, hints.AppendBinary(nil, hints.Prefill, 0, rows[:3])); s != fuse.OK || tr.st.HintFrames.Load() != frames+1 {
+		t.Fatalf("a frame after the interrupted one: %v, %d frames (was %d); want it taken whole", s, tr.st.HintFrames.Load(), frames)
+	}
+
+	// A handle whose decode backlog is full between frames: its next
+	// decode frame is refused with EAGAIN, its prefill frames never are.
+	fh2 := tr.open(node, syscall.O_RDWR).Fh
+	if _, s := tr.write(node, fh2, 0, hints.AppendBinary(nil, hints.Decode, 0, rows[20_000:30_000])); s != fuse.OK {
+		t.Fatalf("a whole decode frame on a second handle: %v", s)
+	}
+	if n, s := tr.write(node, fh2, 0, hints.AppendBinary(nil, hints.Decode, 0, rows[40_000:40_001])); s != fuse.EAGAIN {
+		t.Fatalf("a decode frame on a full backlog: %d, %v; want EAGAIN", n, s)
+	}
+	for _, f := range [][]byte{hints.AppendBinary(nil, hints.Prefill, 0, rows[50_000:50_010]), []byte("prefill 0 51000 51001\n")} {
+		if n, s := tr.write(node, fh2, 0, f); s != fuse.OK || int(n) != len(f) {
+			t.Fatalf("a prefill frame on a full decode backlog: %d, %v; want it taken (prefill is never refused)", n, s)
+		}
+	}
+
+	// Once the reads go on, a frame's later write waits for room and is
+	// taken.
+	fh3 := tr.open(node, syscall.O_RDWR).Fh
+	if _, s := tr.write(node, fh3, 0, frame[:first]); s != fuse.OK {
+		t.Fatalf("first write of a frame on a third handle: %v", s)
+	}
+	close(gate)
+	done := make(chan fuse.Status, 1)
+	go func() {
+		in := fuse.WriteIn{InHeader: tr.hdr(node), Fh: fh3, Size: uint32(len(frame) - first)}
+		_, s := tr.raw.Write(nil, &in, frame[first:])
+		done <- s
+	}()
+	select {
+	case s := <-done:
+		if s != fuse.OK {
+			t.Fatalf("the rest of the frame once the backlog drains: %v", s)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the rest of the frame was not taken within 30 s of the backlog draining")
+	}
+}
+
+// Control handles are bounded (ENFILE past --control-handles, counted), and
+// a released handle frees its slot and tells the hinter.
+func TestControlHandlesAreBounded(t *testing.T) {
+	hl := newHintLog()
+	tr := newTree(t, treeConfig{hints: hl})
+	tr.root.o.ControlHandles = 3
+	node := tr.node(controlPath)
+	first, _ := tr.openAs(tr.caller, node, syscall.O_RDWR) // released below
+	tr.open(node, syscall.O_RDWR)
+	tr.open(node, syscall.O_RDWR)
+	if _, s := tr.openAs(tr.caller, node, syscall.O_RDWR); s != fuse.Status(syscall.ENFILE) {
+		t.Fatalf("open past --control-handles: %v, want ENFILE", s)
+	}
+	if n, r := tr.st.ControlHandles.Load(), tr.st.ControlHandlesRefused.Load(); n != 3 || r != 1 {
+		t.Fatalf("control_handles %d, control_handles_refused %d; want 3 and 1", n, r)
+	}
+	tr.raw.Release(nil, &fuse.ReleaseIn{InHeader: tr.hdr(node), Fh: first.Fh})
+	if n := tr.st.ControlHandles.Load(); n != 2 {
+		t.Fatalf("control_handles %d after a release, want 2", n)
+	}
+	hl.cfgMu.Lock()
+	released := len(hl.released)
+	hl.cfgMu.Unlock()
+	if released != 1 {
+		t.Fatalf("%d releases reached the hinter, want 1", released)
+	}
+	tr.open(node, syscall.O_RDWR)
+}
+
+// Closing a handle drops the work it queued that nobody else waits for
+// (a killed process's prefill is not fetched for nobody), counted in
+// prefetch_pages_released; pages another handle waits for too are still
+// fetched for it.
+func TestControlReleaseDropsQueuedWork(t *testing.T) {
+	tr, gate, _, reads := gatedTree(t, 100_000, prefetch.Config{InflightPages: 16, Pushers: 1, PrefillQueuePages: 1 << 16, DecodeQueuePages: 1 << 16})
+	node := tr.node(controlPath)
+	a, _ := tr.openAs(tr.caller, node, syscall.O_RDWR)
+	b := tr.open(node, syscall.O_RDWR).Fh
+	rows := make([]uint64, 10_000)
+	for i := range rows {
+		rows[i] = uint64(i)
+	}
+	if _, s := tr.write(node, a.Fh, 0, hints.AppendBinary(nil, hints.Prefill, 0, rows)); s != fuse.OK {
+		t.Fatal(s)
+	}
+	shared := rows[4992:5008] // one weight page and one scale page of a's
+	if _, s := tr.write(node, b, 0, hints.AppendBinary(nil, hints.Prefill, 0, shared)); s != fuse.OK {
+		t.Fatal(s)
+	}
+	queued := tr.st.PrefetchPagesQueued.Load() // a's pages; b's were queued already
+	tr.raw.Release(nil, &fuse.ReleaseIn{InHeader: tr.hdr(node), Fh: a.Fh})
+	released := tr.st.PrefetchPagesReleased.Load()
+	// At most the in-flight budget was claimed (reads wait at the gate),
+	// and b's two pages stay queued for b.
+	if least := queued - 16 - 2; released < least || released > queued-2 {
+		t.Fatalf("%d pages released of %d queued; want %d to %d", released, queued, least, queued-2)
+	}
+	close(gate)
+	done := make(chan map[string]uint64, 1)
+	go func() { done <- readBarrier(t, tr, node, b) }()
+	select {
+	case st := <-done:
+		if st["pages"] != 2 || st["resident"] != 2 {
+			t.Fatalf("b's barrier: %v; want its 2 pages resident", st)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("b's barrier did not return within 30 s: its shared pages were dropped with a's")
+	}
+	if r := uint64(reads.Load()); r+released > queued {
+		t.Fatalf("%d pages read and %d released of %d queued: released pages were fetched", r, released, queued)
+	}
+}
+
+// readStatus reads one barrier's line into a hints.Status.
+func readStatus(t *testing.T, tr *tree, node, fh uint64) hints.Status {
+	t.Helper()
+	var st hints.Status
+	readBarrierInto(t, tr, node, fh, &st)
+	return st
+}
+
+// readBarrierInto reads the barrier of handle fh: one line of JSON, decoded
+// into v.
+func readBarrierInto(t *testing.T, tr *tree, node, fh uint64, v any) {
+	t.Helper()
+	b := tr.mustRead(node, fh, 0, 4096)
+	if len(b) == 0 || b[len(b)-1] != '\n' || bytes.Count(b, []byte("\n")) != 1 {
+		t.Fatalf("barrier: %q, want one line of JSON", b)
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		t.Fatalf("barrier line %q: %v", b, err)
+	}
+}
+
+// A write's EINVAL carries no text: the next barrier's status line says why
+// the frame was rejected, and why pages failed; both when both happened.
+func TestControlBarrierSaysWhy(t *testing.T) {
+	pl := &pushLog{}
+	tr := prefetchTree(t, pl)
+	node := tr.node(controlPath)
+	fh := tr.open(node, syscall.O_RDWR).Fh
+	rows := tr.spec.Rows
+	rejected := fmt.Sprintf("row %d out of range (layer 0 has %d rows)", rows+7, rows)
+
+	if _, s := tr.write(node, fh, 0, hints.AppendBinary(nil, hints.Decode, 0, []uint64{rows + 7})); s != fuse.EINVAL {
+		t.Fatalf("write of a row out of range: %v, want EINVAL", s)
+	}
+	st := readStatus(t, tr, node, fh)
+	if !strings.HasSuffix(st.Error, rejected) || st.Frames != 0 || st.Failed != 0 {
+		t.Fatalf("barrier after a rejected frame: %+v; want its reason %q", st, rejected)
+	}
+	if b, s := tr.read(node, fh, 0, 4096); s != fuse.OK || len(b) != 0 {
+		t.Fatalf("the barrier after: %q, %v; want 0 bytes (the reason is said once)", b, s)
+	}
+
+	// A good frame, then a bad one: the counts and the reason.
+	if _, s := tr.write(node, fh, 0, []byte("decode 0 1\ndecode 9 1\n")); s != fuse.EINVAL {
+		t.Fatalf("write with a bad second frame: %v, want EINVAL", s)
+	}
+	st = readStatus(t, tr, node, fh)
+	if st.Frames != 1 || st.Resident == 0 || !strings.Contains(st.Error, "layer 9: unknown layer") {
+		t.Fatalf("barrier: %+v; want one frame resident and the unknown layer", st)
+	}
+
+	// Failed stores say why, after the reason of the rejected frame.
+	pl.mu.Lock()
+	pl.fail = errors.New("injected store failure")
+	pl.mu.Unlock()
+	if _, s := tr.write(node, fh, 0, hints.AppendBinary(nil, hints.Decode, 1, []uint64{2, 3})); s != fuse.OK {
+		t.Fatal(s)
+	}
+	if _, s := tr.write(node, fh, 0, []byte("decode 1 x\n")); s != fuse.EINVAL {
+		t.Fatalf("write of a bad row: %v, want EINVAL", s)
+	}
+	st = readStatus(t, tr, node, fh)
+	first, pages, ok := strings.Cut(st.Error, "; ")
+	if st.Failed == 0 || !ok || !strings.Contains(first, `text: bad row "x"`) ||
+		!strings.HasPrefix(pages, "pages failed: table ") || !strings.HasSuffix(pages, "injected store failure") {
+		t.Fatalf("barrier: %+v; want the rejected frame's reason, then the failed pages'", st)
+	}
+}
+
+// A reason too long for the reader's buffer is cut short; the counts and
+// the JSON stay whole.
+func TestStatusLineFitsTheRead(t *testing.T) {
+	st := prefetch.Status{Frames: math.MaxUint64, Pages: math.MaxUint64, Resident: 1, Failed: math.MaxUint64}
+	for _, reason := range []string{strings.Repeat("é", 300), strings.Repeat(`"\`, 300), strings.Repeat("\x01", 300), "short"} {
+		st.Error = reason
+		for _, max := range []int{statusLineMax, 300, 4096} {
+			line, err := statusLine(st, max)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var back prefetch.Status
+			if err := json.Unmarshal(line, &back); err != nil || len(line) > max || line[len(line)-1] != '\n' {
+				t.Fatalf("line %q (%d bytes) for a read of %d: %v", line, len(line), max, err)
+			}
+			if back.Frames != st.Frames || back.Failed != st.Failed || back.Resident != 1 ||
+				!utf8.ValidString(back.Error) || back.Error == "" {
+				t.Fatalf("line %q: counts or reason lost", line)
+			}
+			if len(reason) < 10 && back.Error != reason || len(reason) > 10 && max < 1000 && !strings.HasSuffix(back.Error, "...") {
+				t.Fatalf("reason %q became %q in a read of %d", reason[:10], back.Error, max)
+			}
+		}
 	}
 }

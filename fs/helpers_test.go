@@ -14,6 +14,7 @@ import (
 	"testing"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
+	"go.uber.org/zap"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
@@ -41,6 +42,7 @@ func newRawFS(t testing.TB, o Options, hints HintSink, faults FaultSink) (fuse.R
 // tree is a synthetic model served through the raw bridge.
 type tree struct {
 	t      *testing.T
+	dir    string // the model directory
 	spec   backing.SynthSpec
 	model  *backing.Model
 	st     *stats.Counters
@@ -57,6 +59,11 @@ type treeConfig struct {
 	reader func() backing.Reader // nil: the real store over the shards
 	hints  HintSink
 	faults FaultSink
+	// prepare changes the model directory before the model is loaded.
+	prepare func(dir string)
+	// noPassthrough: Options.NoPassthrough.
+	noPassthrough bool
+	log           *zap.Logger // nil: none
 }
 
 // newTree synthesizes a two-layer model in a temporary directory and serves
@@ -74,6 +81,9 @@ func newTree(t *testing.T, c treeConfig) *tree {
 	dir := t.TempDir()
 	if err := backing.Synthesize(dir, spec); err != nil {
 		t.Fatal(err)
+	}
+	if c.prepare != nil {
+		c.prepare(dir)
 	}
 	m, err := backing.Load(dir, backing.DefaultTablePattern)
 	if err != nil {
@@ -98,8 +108,8 @@ func newTree(t *testing.T, c treeConfig) *tree {
 		rd = store
 	}
 	loader := cache.NewLoader(rd, m.Tables, st)
-	raw, r := newRawFS(t, Options{Model: m, Loader: loader, Stats: st}, c.hints, c.faults)
-	return &tree{t: t, spec: spec, model: m, st: st, loader: loader, raw: raw, root: r,
+	raw, r := newRawFS(t, Options{Model: m, Loader: loader, Stats: st, NoPassthrough: c.noPassthrough, Log: c.log}, c.hints, c.faults)
+	return &tree{t: t, dir: dir, spec: spec, model: m, st: st, loader: loader, raw: raw, root: r,
 		caller: fuse.Caller{Owner: fuse.Owner{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid())}, Pid: uint32(os.Getpid())}}
 }
 

@@ -30,6 +30,7 @@ import (
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/cache"
+	"github.com/engramfs/engramfs/internal/procfs"
 	"github.com/engramfs/engramfs/internal/stats"
 )
 
@@ -51,6 +52,12 @@ type Options struct {
 	AllowOther bool
 	// Debug logs every FUSE request (very verbose).
 	Debug bool
+	// ControlHandles bounds the open handles of the control file (ENFILE
+	// past it); 0 is DefaultControlHandles.
+	ControlHandles int
+	// NoPassthrough serves the model directory's other files through the
+	// daemon even where FUSE passthrough works (modelfiles.go).
+	NoPassthrough bool
 
 	uid, gid uint32
 	hotLog   *zap.Logger
@@ -78,6 +85,7 @@ type Server struct {
 	mu         sync.Mutex
 	srv        *fuse.Server // GUARDED_BY(mu); nil before Serve
 	mountpoint string       // GUARDED_BY(mu)
+	own        ownMount     // GUARDED_BY(mu): the mount Serve made (mounted.go)
 
 	// live is non-nil while the mount is up and the daemon holds its table
 	// files open: what Store and Confirm need.
@@ -196,11 +204,12 @@ func (s *Server) Serve(mountpoint string) error {
 	}
 	srv, err := fuse.NewServer(s.rawFS, mountpoint, &s.opts.MountOptions)
 	if err != nil {
-		return fmt.Errorf("mount %s: %w", mountpoint, err)
+		return fmt.Errorf("mount %s: %w", mountpoint, explainMountError(err))
 	}
 	go srv.Serve()
+	var own ownMount // unknown until the mount answers
 	fail := func(err error) error {
-		if uerr := unmount(srv, mountpoint, s.log); uerr != nil {
+		if uerr := unmount(srv, mountpoint, own, s.log); uerr != nil {
 			s.log.Error("unmounting a mount that failed to start", zap.String("mountpoint", mountpoint), zap.Error(uerr))
 		}
 		return fmt.Errorf("mount %s: %w", mountpoint, err)
@@ -213,6 +222,9 @@ func (s *Server) Serve(mountpoint string) error {
 	if _, err := os.ReadFile(filepath.Join(mountpoint, ManifestFile)); err != nil {
 		return fail(fmt.Errorf("the new mount does not answer: %w", err))
 	}
+	if own, err = findOwnMount(mountpoint); err != nil {
+		return fail(err)
+	}
 	live := &liveMount{}
 	for id := range s.root.tables {
 		f, err := os.Open(mountedPath(mountpoint, s.root.o.Model.Tables[id]))
@@ -222,7 +234,7 @@ func (s *Server) Serve(mountpoint string) error {
 		}
 		live.files = append(live.files, f)
 	}
-	s.srv, s.mountpoint = srv, mountpoint
+	s.srv, s.mountpoint, s.own = srv, mountpoint, own
 	s.live.Store(live)
 	return nil
 }
@@ -235,18 +247,40 @@ func (l *liveMount) close() {
 }
 
 // checkMountpoint refuses what cannot be mounted on, with a message that
-// names the problem, and detaches a dead engramfs mount left by a killed
-// daemon (stat fails with ENOTCONN there).
+// names the problem: a live engramfs mount, with its daemon's pid (stacked
+// on it, the new mount hid it, and its daemon took the new device for a
+// detach and exited, leaving a dead mount underneath). It detaches a dead
+// engramfs mount left by a killed daemon (statfs fails with ENOTCONN
+// there), and refuses to touch a dead mount of another filesystem.
 func checkMountpoint(mp string, log *zap.Logger) error {
+	path, err := MountPath(mp)
+	if err != nil {
+		return fmt.Errorf("mountpoint: %w", err)
+	}
 	// statfs always reaches the filesystem; stat may be answered from
 	// attributes the kernel cached before the daemon died.
 	var sfs unix.Statfs_t
-	err := unix.Statfs(mp, &sfs)
-	if errors.Is(err, syscall.ENOTCONN) {
+	serr := unix.Statfs(mp, &sfs)
+	var top procfs.Mount
+	mounted := false
+	if ms, err := procfs.Mounts(); err == nil {
+		top, mounted = procfs.Top(ms, path)
+	}
+	switch {
+	case errors.Is(serr, syscall.ENOTCONN) && mounted && top.FSType != FSType:
+		return fmt.Errorf("mountpoint %s: a dead %s mount of %s (transport endpoint not connected), not engramfs's: unmount it first", mp, top.FSType, top.Source)
+	case errors.Is(serr, syscall.ENOTCONN):
+		// The top mount, which is the dead one (statfs reached it).
 		if uerr := unix.Unmount(mp, unix.MNT_DETACH); uerr != nil {
 			return fmt.Errorf("mountpoint %s: dead mount (transport endpoint not connected) and lazy unmount failed: %w", mp, uerr)
 		}
 		log.Warn("detached a dead mount left by a previous daemon", zap.String("mountpoint", mp))
+	case serr == nil && mounted && top.FSType == FSType:
+		pid, err := DaemonPid(mp)
+		if err != nil {
+			return fmt.Errorf("mountpoint %s: engramfs is already mounted there (serving %s; %v): stop it first (engramfs unmount %s)", mp, top.Source, err, mp)
+		}
+		return fmt.Errorf("mountpoint %s: engramfs is already mounted there (daemon pid %d, serving %s): stop it first (engramfs unmount %s)", mp, pid, top.Source, mp)
 	}
 	fi, err := os.Stat(mp)
 	if err != nil {
@@ -285,36 +319,76 @@ func (s *Server) Close() {
 	}
 }
 
-// Unmount closes the daemon's own opens (Close), then unmounts; when a
-// reader still has a file open or mapped (EBUSY), it detaches the mount
-// lazily instead, so the daemon never leaves a mount behind. Readers of a
-// detached mount get errors once the daemon exits. Before Serve it does
+// Unmount closes the daemon's own opens (Close), then unmounts its own
+// mount; when a reader still has a file open or mapped (EBUSY), it detaches
+// the mount lazily instead, so the daemon never leaves a mount behind.
+// Readers of a detached mount get errors once the daemon exits. A mount
+// already detached from outside is left alone, and so is one covered by
+// another mount at its path (see ownMount.onTop). Before Serve it does
 // nothing.
 func (s *Server) Unmount() error {
 	s.Close()
 	s.mu.Lock()
-	srv, mp := s.srv, s.mountpoint
+	srv, mp, own := s.srv, s.mountpoint, s.own
 	s.mu.Unlock()
 	if srv == nil {
 		return nil
 	}
-	return unmount(srv, mp, s.log)
+	// Name what may hold it: only control handles being open was logged
+	// as "a reader still maps a file".
+	return unmount(srv, mp, own, s.log.With(zap.Int64("control_handles_open", s.root.o.Stats.ControlHandles.Load())))
 }
 
-// unmount unmounts srv from mountpoint, lazily when it is busy.
-func unmount(srv *fuse.Server, mountpoint string, log *zap.Logger) error {
-	err := srv.Unmount()
-	if err == nil {
-		return nil
+// unmount unmounts own, srv's mount on mountpoint, lazily when it is busy,
+// and only while the path reaches it (checked before every attempt).
+// go-fuse's own Unmount retries by path for ~300 ms without such a check.
+func unmount(srv *fuse.Server, mountpoint string, own ownMount, log *zap.Logger) error {
+	delay := time.Duration(0)
+	for try := 0; ; try++ {
+		if ok, err := own.onTop(log); !ok {
+			return err
+		}
+		err := unix.Unmount(mountpoint, 0)
+		if err == nil {
+			waitSessionEnd(srv, mountpoint, log)
+			return nil
+		}
+		if !errors.Is(err, syscall.EBUSY) {
+			return fmt.Errorf("unmount %s: %w", mountpoint, err)
+		}
+		if try == 4 {
+			break
+		}
+		// A file the daemon just closed may still count for a moment
+		// (go-fuse waits the same way: 5, 15, 35, 75 ms).
+		delay = 2*delay + 5*time.Millisecond
+		time.Sleep(delay)
 	}
-	if !errors.Is(err, syscall.EBUSY) {
-		return fmt.Errorf("unmount %s: %w", mountpoint, err)
+	if ok, err := own.onTop(log); !ok {
+		return err
 	}
 	if derr := unix.Unmount(mountpoint, unix.MNT_DETACH); derr != nil {
 		return fmt.Errorf("unmount %s: busy, and lazy unmount failed: %w", mountpoint, derr)
 	}
-	log.Warn("mount busy (a reader still maps a file): detached it lazily", zap.String("mountpoint", mountpoint))
+	log.Warn("mount busy (a file of it is open or mapped, or a control handle): detached it lazily", zap.String("mountpoint", mountpoint))
 	return nil
+}
+
+// sessionEndTimeout bounds the wait for the serve loops after an unmount.
+const sessionEndTimeout = 10 * time.Second
+
+// waitSessionEnd waits for the serve loops to return once the kernel has
+// ended the session (as go-fuse's own Unmount does), but not forever: if the
+// unmount reached another mount (stacked in the microseconds after the
+// check), the session goes on and the daemon must still stop.
+func waitSessionEnd(srv *fuse.Server, mountpoint string, log *zap.Logger) {
+	done := make(chan struct{})
+	go func() { srv.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(sessionEndTimeout):
+		log.Error("the FUSE session did not end after the unmount; stopping anyway", zap.String("mountpoint", mountpoint))
+	}
 }
 
 // TablePath is where table id lives in the mount ("" before Serve).

@@ -39,17 +39,37 @@ var (
 
 // Open keeps the page cache across opens (KEEP_CACHE) and skips FLUSH on
 // close (NOFLUSH). Never DIRECT_IO: a shared mmap of a direct-io file fails.
+// A reader's handle follows its reads for sequential readahead; the
+// daemon's own opens (live files, the pinner) get none.
 func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&writeFlags != 0 {
 		return nil, 0, syscall.EROFS
 	}
-	return nil, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
+	var h gofs.FileHandle
+	if !ownOpen(ctx) {
+		h = &tableHandle{readAhead{size: f.t.FileSize, trigger: 2*f.t.RowBytes + cache.PageSize,
+			fill: f.fill, store: f.EmbeddedInode().WriteCache}}
+	}
+	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
+}
+
+// tableHandle is a reader's open table file.
+type tableHandle struct{ ra readAhead }
+
+var _ = (gofs.FileReleaser)((*tableHandle)(nil))
+
+// Release waits for the handle's readahead.
+func (h *tableHandle) Release(ctx context.Context) syscall.Errno {
+	h.ra.close()
+	return 0
 }
 
 // Read serves a page fault or read(2) on a table file. With MaxReadAhead 1
 // the kernel asks for exactly the faulting page, so a cold fault costs one
-// page of backing I/O. This is the untimed node; timedTableFile
-// (timing.go) wraps it when metrics are on.
+// page of backing I/O; a handle that reads sequentially has the pages
+// ahead of it pushed (seqread.go), which only changes how many reads reach
+// here. This is the untimed node; timedTableFile (timing.go) wraps it when
+// metrics are on.
 func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
 	t := f.t
 	if off < 0 || off >= t.FileSize || len(dest) == 0 {
@@ -58,6 +78,9 @@ func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, o
 	end := min(off+int64(len(dest)), t.FileSize)
 	f.st.FuseReads.Add(1)
 	f.st.FuseReadBytes.Add(uint64(end - off))
+	if h, ok := fh.(*tableHandle); ok {
+		h.ra.observe(off, end)
+	}
 
 	hdrLen := int64(len(t.FileHeader))
 	if end <= hdrLen {
@@ -77,22 +100,51 @@ func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, o
 		}
 		f.faults.Faulted(keys)
 	}
-	base := int64(first) * cache.PageSize
 	if off >= hdrLen && len(pages) == 1 {
 		// The common case, one faulting page: hand the loader's buffer to
 		// go-fuse, no copy.
+		base := int64(first) * cache.PageSize
 		return fuse.ReadResultData(pages[0][off-base : end-base]), 0
 	}
-	out := dest[:end-off]
+	return fuse.ReadResultData(dest[:f.copyOut(dest[:end-off], off, first, pages)]), 0
+}
+
+// copyOut copies the file's bytes at off into out from the header and the
+// data pages that start at page first.
+func (f *tableFile) copyOut(out []byte, off int64, first uint64, pages [][]byte) int {
+	t, end := f.t, off+int64(len(out))
 	n := 0
-	if off < hdrLen {
+	if off < int64(len(t.FileHeader)) {
 		n = copy(out, t.FileHeader[off:])
 	}
+	base := int64(first) * cache.PageSize
 	for i, p := range pages {
 		pageOff := base + int64(i)*cache.PageSize
 		lo := max(off, pageOff) - pageOff
 		hi := min(end, pageOff+int64(len(p))) - pageOff
-		n += copy(out[n:], p[lo:hi])
+		if lo < hi {
+			n += copy(out[n:], p[lo:hi])
+		}
 	}
-	return fuse.ReadResultData(out[:n]), 0
+	return n
+}
+
+// fill reads b at off for the readahead: through the loader, as prefetch
+// work (shared with any fault on the same pages, counted as prefetch).
+func (f *tableFile) fill(b []byte, off int64) (int, error) {
+	t := f.t
+	end := min(off+int64(len(b)), t.FileSize)
+	if off >= end {
+		return 0, nil
+	}
+	first := max(uint64(off), uint64(len(t.FileHeader))) / cache.PageSize
+	last := uint64(end-1) / cache.PageSize
+	var pages [][]byte
+	if first <= last && end > int64(len(t.FileHeader)) {
+		var err error
+		if pages, err = f.loader.Load(t.ID, first, last-first+1, cache.OriginPrefetch); err != nil {
+			return 0, err
+		}
+	}
+	return f.copyOut(b[:end-off], off, first, pages), nil
 }

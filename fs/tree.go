@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
@@ -73,19 +74,28 @@ func mustDtypeSize(dtype string) int64 {
 	return n
 }
 
-// buildIndex is the mount's model.safetensors.index.json: every table name
-// mapped to its table file, so a loader pointed at the mount finds them.
+// buildIndex is the mount's model.safetensors.index.json: every tensor of
+// the model, each table mapped to its table file and every other tensor to
+// its shard (served at its own path), so a loader pointed at the mount
+// finds them all. The metadata is the model's own index's (its total_size
+// counts the same tensors), or total_size alone without one.
 func buildIndex(m *backing.Model) []byte {
-	var total int64
-	wm := map[string]string{}
+	wm := make(map[string]string, len(m.Tables)+len(m.Others))
+	for name, shard := range m.Others {
+		wm[name] = shard
+	}
 	for _, t := range m.Tables {
 		wm[t.Name] = t.Path()
-		total += t.DataLen
 	}
-	b, _ := json.MarshalIndent(map[string]any{
-		"metadata":   map[string]any{"total_size": total, "generator": "engramfs"},
-		"weight_map": wm,
-	}, "", "  ")
+	metadata := m.IndexMetadata
+	if len(metadata) == 0 || string(metadata) == "null" {
+		var total int64
+		for _, t := range m.Tables {
+			total += t.DataLen
+		}
+		metadata, _ = json.Marshal(map[string]int64{"total_size": total})
+	}
+	b, _ := json.MarshalIndent(map[string]any{"metadata": metadata, "weight_map": wm}, "", "  ")
 	return append(b, '\n')
 }
 
@@ -97,6 +107,8 @@ type root struct {
 	o      *Options
 	tables []*tableFile // by table ID: the inodes prefetch stores into
 	mtime  time.Time
+	// servedByDaemon logs once that model files are not passed through.
+	servedByDaemon sync.Once
 }
 
 var _ = (gofs.NodeOnAdder)((*root)(nil))
@@ -140,8 +152,13 @@ func (r *root) OnAdd(ctx context.Context) {
 
 	ctl := addDir(&r.Inode, ControlDir)
 	addFile(ctl, StatsFile, &statsFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o444, 0)}, st: r.o.Stats})
-	addFile(ctl, ControlFile, &controlFile{roFile: roFile{attr: r.attr(syscall.S_IFREG|0o600, ControlSize)}, r: r,
+	ctlAttr := r.attr(syscall.S_IFREG|0o600, ControlSize)
+	ctlAttr.Blocks = 0 // ControlSize is for the kernel's lock, not bytes: du counts none
+	addFile(ctl, ControlFile, &controlFile{roFile: roFile{attr: ctlAttr}, r: r,
 		wait: timeBarrier(waitBarrier, r.o.Stats.Timings)})
+
+	// Last: the mount's own entries win every name (modelfiles.go).
+	r.addModelFiles(addFile, addDir)
 }
 
 // attr returns the fixed attributes of a node: owned by the daemon's user,

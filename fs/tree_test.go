@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"syscall"
@@ -39,6 +40,14 @@ func TestTreeLookups(t *testing.T) {
 		{".engramfs", syscall.S_IFDIR | 0o555, 0},
 		{".engramfs/control", syscall.S_IFREG | 0o600, ControlSize},
 		{".engramfs/stats", syscall.S_IFREG | 0o444, 0},
+	}
+	// The model directory's own files, at their paths (its index is the
+	// mount's, above).
+	for _, name := range backing.SynthConfigFiles {
+		wants = append(wants, want{name, syscall.S_IFREG | 0o444, fileSize(t, filepath.Join(tr.dir, name))})
+	}
+	for _, sh := range []string{"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"} {
+		wants = append(wants, want{sh, syscall.S_IFREG | 0o444, fileSize(t, filepath.Join(tr.dir, sh))})
 	}
 	for _, l := range []int{0, 1} {
 		wants = append(wants, want{fmt.Sprintf("layers/%d", l), syscall.S_IFDIR | 0o555, 0})
@@ -97,6 +106,15 @@ func TestTreeLookups(t *testing.T) {
 			t.Errorf("directory %q lists %v, want %v", dir, got, names)
 		}
 	}
+}
+
+func fileSize(t *testing.T, path string) int64 {
+	t.Helper()
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fi.Size()
 }
 
 func splitPath(p string) (parent, name string) {
@@ -158,13 +176,14 @@ func tableNamed(t *testing.T, m *backing.Model, name string) *backing.Table {
 }
 
 // Names that are not in the tree are ENOENT: other layers and tables, the
-// shards and the unrelated tensor, near misses, names below files.
+// unrelated tensor, near misses, names below files.
 func TestTreeUnknownNamesAreENOENT(t *testing.T) {
 	tr := newTree(t, treeConfig{})
 	for _, p := range []struct{ dir, name string }{
 		{"", "nope"},
 		{"", "Manifest.json"},
-		{"", "model-00001-of-00002.safetensors"},
+		{"", "model-00003-of-00002.safetensors"},
+		{"", "config.json.bak"},
 		{"", backing.UnrelatedTensor},
 		{"", "control"},
 		{"", "stats"},
@@ -277,8 +296,10 @@ func TestTreeIndex(t *testing.T) {
 	if err := json.Unmarshal(raw, &idx); err != nil {
 		t.Fatalf("index: %v\n%s", err, raw)
 	}
-	var total int64
-	want := map[string]string{}
+	// Every tensor: the tables at their table files, the unrelated
+	// tensor at its shard; total_size is the model's (all of them).
+	total := int64(64 * 13 * 4)
+	want := map[string]string{backing.UnrelatedTensor: "model-00001-of-00002.safetensors"}
 	for l := range tr.spec.Layers {
 		for _, kind := range []string{"weight", "scale"} {
 			name := fmt.Sprintf("layers.%d.engram.embed.%s", l, kind)
@@ -293,6 +314,10 @@ func TestTreeIndex(t *testing.T) {
 	for name, file := range want {
 		if idx.WeightMap[name] != file {
 			t.Fatalf("index maps %s to %q, want %q", name, idx.WeightMap[name], file)
+		}
+		if name == backing.UnrelatedTensor {
+			tr.node(file) // served at that path
+			continue
 		}
 		// The file exists and is the tensor's own safetensors file.
 		fnode := tr.node(file)

@@ -38,4 +38,7 @@
 // limit. That write returns an error wrapping [ErrBadFrame], along with the
 // valid frames it completed before the bad one; the rest of the write is
 // discarded and the stream restarts, so the next write begins a fresh frame.
+// The filesystem fails that write with EINVAL, which carries no text, and
+// keeps the error's text for the handle's next barrier: [Status.Error] says
+// why, as does the error of the clients' call that sent the frame.
 package hints

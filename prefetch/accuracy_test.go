@@ -134,7 +134,7 @@ func TestSubmitPagesFetchesAndAdmitsAsDecode(t *testing.T) {
 	keys = append(keys, cache.PageKey{Table: tb.ID, Page: tb.Pages()}) // past the end: skipped
 	b := NewBarrier()
 	p.SubmitPages(keys, cache.SignalDecode, b)
-	if err := b.Wait(t.Context()); err != nil {
+	if err := b.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	unique := 34 // pages DataPage, +3, ..., +99
@@ -168,7 +168,7 @@ func TestRefaultedCountsEachHintOnce(t *testing.T) {
 	hint := func() {
 		b := NewBarrier()
 		p.Submit(hints.Prefill, 0, rows, b)
-		if err := b.Wait(t.Context()); err != nil {
+		if err := b.Wait(waitCtx(t)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -224,7 +224,7 @@ func TestDroppedCountedByLayer(t *testing.T) {
 	b := NewBarrier()
 	p.Submit(hints.Prefill, 1, rows, b)
 	close(br.release)
-	if err := b.Wait(t.Context()); err != nil {
+	if err := b.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	p.Close()
@@ -264,8 +264,9 @@ func BenchmarkRefaulted(b *testing.B) {
 // Prefill pages already in the page cache are neither read nor stored: the
 // barrier counts them resident, the tier hears of them as the hint's, and
 // one evicted before its reader came is a refault. Nearby runs share one
-// residency lookup, pinned pages need none, and decode work looks nothing
-// up (its unpinned pages are cold nearly always).
+// residency lookup, pinned pages need none, and decode work skips its
+// cached pages too (a serving loop's decode steps find most of theirs
+// cached).
 func TestCachedPagesAreNotFetched(t *testing.T) {
 	m := testModel(t, 4000)
 	tb := m.Tables[0]
@@ -289,7 +290,7 @@ func TestCachedPagesAreNotFetched(t *testing.T) {
 	p, st, pusher := newTestPrefetcher(t, m, hot, DefaultConfig(4))
 	b := NewBarrier()
 	p.Submit(hints.Prefill, m.Layers[0], rows, b)
-	s, err := b.Status(t.Context())
+	s, err := b.Status(waitCtx(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -314,16 +315,28 @@ func TestCachedPagesAreNotFetched(t *testing.T) {
 		t.Fatalf("refaulted %d after a fault on a cached hinted page, want 1", got)
 	}
 
-	// Decode work looks nothing up: its cached pages are fetched.
+	// Decode work looks up too: its cached pages are not fetched, and the
+	// barrier and the stats say how many there were.
 	before, pushed := hot.lookups, pusher.pages.Load()
 	b2 := NewBarrier()
 	p.Submit(hints.Decode, m.Layers[0], rows, b2)
-	if err := b2.Wait(t.Context()); err != nil {
+	s2, err := b2.Status(waitCtx(t))
+	if err != nil {
 		t.Fatal(err)
 	}
-	if hot.lookups != before || pusher.pages.Load()-pushed != uint64(len(rows)-1) {
-		t.Fatalf("decode: %d lookups, %d pages pushed; want none and %d (all but the pinned one)", hot.lookups-before, pusher.pages.Load()-pushed, len(rows)-1)
+	if hot.lookups != before+1 || pusher.pages.Load()-pushed != uint64(len(rows)-cached-1) {
+		t.Fatalf("decode: %d lookups, %d pages pushed; want 1 and %d (not the cached, not the pinned one)", hot.lookups-before, pusher.pages.Load()-pushed, len(rows)-cached-1)
 	}
+	if s2.Cached != uint64(cached) || s2.Resident != uint64(len(rows)-1) || s2.Pinned != 1 {
+		t.Fatalf("decode status %+v, want %d cached of %d resident, 1 pinned", s2, cached, len(rows)-1)
+	}
+	if got := st.PrefetchDecodePagesCached.Load(); got != uint64(cached) {
+		t.Fatalf("prefetch_decode_pages_cached %d, want %d", got, cached)
+	}
+	if sigs := hot.heard(key(30)); !slices.Equal(sigs, []cache.Signal{cache.SignalPrefill, cache.SignalFault, cache.SignalDecode}) {
+		t.Fatalf("the tier heard of a cached page as %v, want prefill, the fault, then decode", sigs)
+	}
+	before = hot.lookups
 
 	// All pinned: no lookup at all.
 	for _, r := range rows {
@@ -331,7 +344,7 @@ func TestCachedPagesAreNotFetched(t *testing.T) {
 	}
 	b3 := NewBarrier()
 	p.Submit(hints.Prefill, m.Layers[0], rows, b3)
-	if err := b3.Wait(t.Context()); err != nil {
+	if err := b3.Wait(waitCtx(t)); err != nil {
 		t.Fatal(err)
 	}
 	if hot.lookups != before {

@@ -71,7 +71,9 @@ type HotTier interface {
 // Config sizes the prefetcher.
 type Config struct {
 	// InflightPages bounds the pages handed to the loader and not yet
-	// answered: about twice the backing queue depth keeps the disk busy,
+	// answered (and, 8 times over, those together with the pages read
+	// and waiting for a pusher): about twice the backing queue depth
+	// keeps the disk busy,
 	// and a decode hint that arrives behind a prefill flood waits for at
 	// most that much work, not for the queue. Decode work may have this
 	// many pages in flight whatever prefill work holds (so up to twice it
@@ -85,8 +87,9 @@ type Config struct {
 	// reported to the handles that asked for it). Prefill is best effort.
 	PrefillQueuePages int
 	// DecodeQueuePages bounds one handle's queued decode pages. Decode work
-	// is never dropped: past the bound the handle's writes are refused with
-	// EAGAIN until the workers catch up (fs checks DecodeBacklog).
+	// is never dropped: past the bound the handle's next decode frame is
+	// refused with EAGAIN and a decode frame already begun waits for room
+	// (fs checks DecodeBacklog and WaitDecodeRoom).
 	DecodeQueuePages int
 }
 
@@ -125,16 +128,25 @@ type Prefetcher struct {
 	quit      chan struct{} // closed by Close: the fetch loop ends
 	fetchDone chan struct{}
 
-	omu      sync.Mutex
-	out      []outcome     // GUARDED_BY(omu): answers for the pushers
-	outReady chan struct{} // signalled when out grows
-	pushQuit chan struct{} // closed by Close once nothing is in flight
-	pushers  sync.WaitGroup
+	omu       sync.Mutex
+	out       []outcome     // GUARDED_BY(omu): answers for the pushers (prefill, confirms)
+	outDecode []outcome     // GUARDED_BY(omu): decode answers, taken before any of out
+	outReady  chan struct{} // signalled when out or outDecode grows
+	pushQuit  chan struct{} // closed by Close once nothing is in flight
+	pushers   sync.WaitGroup
+	// unstored is the pages the loader answered whose store has not
+	// landed (or failed) yet: the pushers' backlog, bounded with the reads
+	// in flight by unstoredBound. Taken off store by store, not batch by
+	// batch: a batch's stores take milliseconds, and the reads waited for
+	// all of them (a 4-rank prefill chunk took 0.5 s against 0.18 s).
+	unstored atomic.Int64
 	pushing  int // GUARDED_BY(mu): batches a pusher took and has not settled
 
 	// Hint accuracy, by table ID.
 	layerOf []*stats.LayerCounters
 	hinted  []atomic.Pointer[pageBits]
+	// pushed: the pages stored into the page cache since their last fault.
+	pushed []atomic.Pointer[pageBits]
 }
 
 // pageBits is one bit per file page of a table: the pages hints asked for
@@ -164,6 +176,7 @@ func New(cfg Config, model *backing.Model, loader PageFetcher, pusher Pusher, ho
 	p.confirmer, _ = pusher.(Confirmer)
 	p.idle = sync.NewCond(&p.mu)
 	p.hinted = make([]atomic.Pointer[pageBits], len(model.Tables))
+	p.pushed = make([]atomic.Pointer[pageBits], len(model.Tables))
 	p.layerOf = make([]*stats.LayerCounters, len(model.Tables))
 	for i, t := range model.Tables {
 		if p.layerOf[i] = st.Layer(t.Layer); p.layerOf[i] == nil {
@@ -197,7 +210,7 @@ func (p *Prefetcher) Submit(class hints.Class, layer int, rows []uint64, b *Barr
 // SubmitPart queues part of a frame (the rows that one write delivered);
 // frameEnd says the frame is complete. Rows are deduplicated before they
 // become pages, pages become runs of adjacent pages, and pages already
-// pinned (or, for prefill, in the page cache: skipPresent) cost nothing but
+// pinned or in the page cache (skipPresent) cost nothing but
 // a count; pages already queued or in flight are not fetched twice, b just
 // waits for them too.
 func (p *Prefetcher) SubmitPart(b *Barrier, class hints.Class, layer int, rows []uint64, frameEnd bool) {
@@ -352,21 +365,23 @@ func (w *residency) present(hot HotTier, runs []pageRun, i int, pg uint64) bool 
 	return w.known && w.vec[pg-w.first]&1 != 0
 }
 
-// skipPresent takes out of runs the pages the hot tier has pinned and, with
-// lookup, those already in the page cache (a reader faulted them, or an
-// earlier hint pushed them): fetching them would read and store them again,
-// where fadvise(WILLNEED) would do nothing. It returns what is left, the
-// pages it took out (the tier hears of them as the hint's accesses) and how
-// many of those were only cached. Cached pages are marked hinted: one
-// evicted before its reader gets there is a refault.
+// skipPresent takes out of runs the pages the hot tier has pinned and those
+// already in the page cache (a reader faulted them, or an earlier hint
+// pushed them): fetching them would read and store them again, where
+// fadvise(WILLNEED) would do nothing. It returns what is left and the pages
+// it took out, pinned and only cached (the tier hears of them as the hint's
+// accesses). Cached pages are marked hinted: one evicted before
+// its reader gets there is a refault.
 //
-// Only prefill work looks up (lookup): a prefill chunk names many pages
-// already cached (measured: 10K of a quick bench chunk pair's 98K, the scale
-// pages that many rows share and rows earlier chunks read), and it is sent a
-// chunk ahead. A decode step's unpinned pages are cold nearly always (13 of
-// 14,480 in the bench: the tier pins every page decode keeps using), and a
-// lookup, ~1 µs a call on these VMs, would sit on the step's critical path.
-func (p *Prefetcher) skipPresent(runs []pageRun, lookup bool) (kept []pageRun, hits []cache.PageKey, cached uint64) {
+// Decode work looks up too. A decode step alone, from a dropped cache,
+// names few cached pages that are not pinned (13 of 14,480 in the bench's
+// decode phase), but in a serving loop under a memory limit the tier holds
+// only part of decode's working set and the rest lives in the page cache:
+// 78% of a step's pages were resident before it, and the barriers had
+// fetched 132 pages a step (v3: 60 cold reads), each a backing read the
+// step waited for. A lookup costs ~1 µs a window (runs within spanGap
+// share one) and 40 ns a page; a cold read it saves, 35-40 µs.
+func (p *Prefetcher) skipPresent(runs []pageRun) (kept []pageRun, pinned, cached []cache.PageKey) {
 	kept = runs[:0:0]
 	var w residency
 	for i, r := range runs {
@@ -375,13 +390,13 @@ func (p *Prefetcher) skipPresent(runs []pageRun, lookup bool) (kept []pageRun, h
 			k := cache.PageKey{Table: r.table, Page: pg}
 			switch {
 			case p.hot.Pinned(k):
-			case lookup && w.present(p.hot, runs, i, pg):
-				cached++
+				pinned = append(pinned, k)
+			case w.present(p.hot, runs, i, pg):
+				cached = append(cached, k)
 				p.markHinted(r.table, pg, 1)
 			default:
 				continue
 			}
-			hits = append(hits, k)
 			if pg > start {
 				kept = append(kept, pageRun{table: r.table, first: start, n: pg - start})
 			}
@@ -391,20 +406,22 @@ func (p *Prefetcher) skipPresent(runs []pageRun, lookup bool) (kept []pageRun, h
 			kept = append(kept, pageRun{table: r.table, first: start, n: end - start})
 		}
 	}
-	return kept, hits, cached
+	return kept, pinned, cached
 }
 
-// submitRuns takes out the pages the hot tier has pinned and, for prefill
-// work, those already in the page cache, then admits the rest.
+// submitRuns takes out the pages the hot tier has pinned and those already
+// in the page cache, then admits the rest.
 func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode bool, sig cache.Signal, frameEnd bool) {
 	start := time.Now()
-	var pinned, cached uint64
+	var pinned, cached []cache.PageKey
 	if p.hot != nil {
-		var hits []cache.PageKey
-		runs, hits, cached = p.skipPresent(runs, !decode)
-		pinned = uint64(len(hits)) - cached
-		p.st.PrefetchPagesCached.Add(cached)
-		if len(hits) > 0 {
+		runs, pinned, cached = p.skipPresent(runs)
+		n := uint64(len(cached))
+		p.st.PrefetchPagesCached.Add(n)
+		if decode {
+			p.st.PrefetchDecodePagesCached.Add(n)
+		}
+		if hits := append(pinned, cached...); len(hits) > 0 {
 			p.hot.Admit(hits, sig)
 		}
 	}
@@ -419,8 +436,7 @@ func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode 
 	p.mu.Lock()
 	b.p.CompareAndSwap(nil, p)
 	seq := p.c.submission(b)
-	p.c.pinned(b, pinned)
-	p.c.cached(b, cached)
+	p.c.present(b, pinned, cached)
 	var buf []pageRun
 	var yielded time.Duration
 	for len(runs) > 0 {
@@ -438,7 +454,7 @@ func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode 
 		if p.closed {
 			for _, r := range slice {
 				b.status.Pages += r.n
-				b.status.Failed += r.n
+				b.fail(r.n, ErrStopped)
 			}
 		} else {
 			p.c.admit(b, seq, slice, decode, admitDecode)
@@ -525,6 +541,10 @@ func (p *Prefetcher) publishLocked() {
 		p.st.PrefetchPagesDropped.Add(p.c.dropped)
 		p.c.dropped = 0
 	}
+	if p.c.throttledDrops > 0 {
+		p.st.PrefetchPagesThrottled.Add(p.c.throttledDrops)
+		p.c.throttledDrops = 0
+	}
 }
 
 // modelTable returns the model's table id, or nil.
@@ -563,7 +583,7 @@ func (p *Prefetcher) Faulted(keys []cache.PageKey) {
 		}
 	}
 	p.mu.Lock()
-	confirm, late := p.c.faulted(keys)
+	confirm, keys, late := p.c.faulted(keys)
 	p.mu.Unlock()
 	if late > 0 {
 		p.st.PrefetchLate.Add(late)
@@ -583,26 +603,40 @@ func (p *Prefetcher) Faulted(keys []cache.PageKey) {
 }
 
 // refaulted counts, per layer, the pages of keys a hint asked for since
-// their last fault, once each. Lock-free: it runs in the Read handler.
+// their last fault, once each, and the pages of keys pushed since their
+// last fault (prefetch_pushed_evicted: a fault on a pushed page means the
+// page cache let it go before the reader got there, or after it read it
+// once and came back unhinted). Lock-free: it runs in the Read handler.
 func (p *Prefetcher) refaulted(keys []cache.PageKey) {
 	for _, k := range keys {
 		if p.clearHinted(k) {
 			p.layerOf[k.Table].Refaulted.Add(1)
 		}
+		if clearBit(p.pushed, k) {
+			p.st.PrefetchPushedEvicted.Add(1)
+		}
 	}
 }
 
-// markHinted sets the bits of pages [first, first+n) of table, allocating
-// the table's bitmap on its first hint.
+// markHinted sets the hinted bits of pages [first, first+n) of table.
 func (p *Prefetcher) markHinted(table uint32, first, n uint64) {
-	if int(table) >= len(p.hinted) {
+	p.markBits(p.hinted, table, first, n)
+}
+
+// clearHinted clears k's hinted bit and reports whether it was set.
+func (p *Prefetcher) clearHinted(k cache.PageKey) bool { return clearBit(p.hinted, k) }
+
+// markBits sets the bits of pages [first, first+n) of table in the bitmaps
+// of maps, allocating the table's bitmap on first use.
+func (p *Prefetcher) markBits(maps []atomic.Pointer[pageBits], table uint32, first, n uint64) {
+	if int(table) >= len(maps) {
 		return
 	}
-	bits := p.hinted[table].Load()
+	bits := maps[table].Load()
 	if bits == nil {
 		fresh := &pageBits{words: make([]atomic.Uint64, (p.model.Tables[table].Pages()+63)/64)}
-		if !p.hinted[table].CompareAndSwap(nil, fresh) {
-			bits = p.hinted[table].Load()
+		if !maps[table].CompareAndSwap(nil, fresh) {
+			bits = maps[table].Load()
 		} else {
 			bits = fresh
 		}
@@ -614,12 +648,13 @@ func (p *Prefetcher) markHinted(table uint32, first, n uint64) {
 	}
 }
 
-// clearHinted clears k's bit and reports whether it was set.
-func (p *Prefetcher) clearHinted(k cache.PageKey) bool {
-	if int(k.Table) >= len(p.hinted) {
+// clearBit clears k's bit in the bitmaps of maps and reports whether it
+// was set.
+func clearBit(maps []atomic.Pointer[pageBits], k cache.PageKey) bool {
+	if int(k.Table) >= len(maps) {
 		return false
 	}
-	bits := p.hinted[k.Table].Load()
+	bits := maps[k.Table].Load()
 	if bits == nil || k.Page/64 >= uint64(len(bits.words)) {
 		return false
 	}

@@ -171,3 +171,60 @@ func BenchmarkPrefillFloodPart(b *testing.B) {
 	}
 	b.ReportMetric(float64(len(part)*b.N)/b.Elapsed().Seconds(), "rows/s")
 }
+
+// silentReader never answers: queued work stays queued.
+type silentReader struct{}
+
+func (silentReader) Submit(...*backing.TableRead) {}
+
+// BenchmarkReleaseFullPrefillQueue is the cost of closing a handle whose
+// prefill fills the whole default queue (262,144 pages), and the longest a
+// fault would wait for the prefetcher's lock meanwhile.
+func BenchmarkReleaseFullPrefillQueue(b *testing.B) {
+	m, err := backing.Load(sparseModel(b, 1<<20), backing.DefaultTablePattern)
+	if err != nil {
+		b.Fatal(err)
+	}
+	st := &stats.Counters{}
+	loader := cache.NewLoader(silentReader{}, m.Tables, st)
+	p := New(DefaultConfig(64), m, loader, &countingPusher{}, nil, st, nil)
+	rows := make([]uint64, 0, 1<<17)
+	for r := range uint64(1 << 17) {
+		rows = append(rows, r*7) // one weight page each, and their scale pages
+	}
+	var took, longest time.Duration
+	for i := 0; b.Loop(); i++ {
+		bar := NewBarrier()
+		part := slices.Clone(rows)
+		for j := range part {
+			part[j] += uint64(i) % 7
+		}
+		p.Submit(hints.Prefill, 0, part, bar)
+		// What a fault waits for p.mu meanwhile (Faulted takes it).
+		stop, waited := make(chan struct{}), make(chan time.Duration)
+		go func() {
+			var most time.Duration
+			for {
+				select {
+				case <-stop:
+					waited <- most
+					return
+				default:
+				}
+				t0 := time.Now()
+				p.mu.Lock()
+				most = max(most, time.Since(t0))
+				p.mu.Unlock()
+				time.Sleep(100 * time.Microsecond)
+			}
+		}()
+		start := time.Now()
+		p.Release(bar)
+		took += time.Since(start)
+		close(stop)
+		longest = max(longest, <-waited)
+	}
+	b.ReportMetric(float64(longest.Microseconds()), "µs-longest-lock-wait")
+	b.ReportMetric(float64(took.Microseconds())/float64(b.N), "µs/release")
+	b.ReportMetric(float64(st.PrefetchPagesReleased.Load())/float64(b.N), "pages/release")
+}

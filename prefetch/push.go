@@ -1,6 +1,7 @@
 package prefetch
 
 import (
+	"fmt"
 	"slices"
 
 	"go.uber.org/zap"
@@ -23,15 +24,27 @@ type outcome struct {
 	err     error
 	confirm bool // a fault cancelled the fetch: confirm the page resident
 	decode  bool // fetched for a decode hint: pushed and settled first
+	fetched bool // the loader's answer for claimed pages: in the in-flight budget until settled
 }
 
 // maxStorePages caps one merged store (1 MiB, as a backing read).
 const maxStorePages = cache.MaxRunPages
 
+// A pusher looks for decode answers after every store of a prefill batch
+// and stores and settles those first: a decode step's pages wait for at
+// most one prefill store (up to maxStorePages pages merged), where a pusher
+// that took every answer waiting stored them whole before it looked again
+// (issue 24: a one-row decode step waited ~100 ms behind 5,000 prefill
+// stores). Taking prefill answers in slices of 64 pages instead cost the
+// serving loop's prefill chunks 25-50 ms of waiting (0.4 ms before): a
+// settle and a tier admission per slice, and fewer adjacent pages merged.
+
 // settled is a run's outcome, ready for the core.
 type settled struct {
-	run cache.Run
-	o   Outcome
+	run     cache.Run
+	o       Outcome
+	fetched bool  // claimed pages the loader answered: they leave the in-flight budget
+	why     error // the reason of a failure, for the barriers' status
 }
 
 func (p *Prefetcher) signalPushers() {
@@ -66,11 +79,10 @@ func reuse[T any](s []T) []T {
 
 func (p *Prefetcher) pushLoop() {
 	defer p.pushers.Done()
-	var sc pushScratch
+	var sc, dsc pushScratch // dsc: decode answers taken during a prefill batch
 	for {
 		p.omu.Lock()
-		batch := p.out
-		p.out = sc.batch[:0]
+		batch := p.takeLocked(sc.batch[:0])
 		p.omu.Unlock()
 		if len(batch) == 0 {
 			sc.batch = batch
@@ -79,7 +91,7 @@ func (p *Prefetcher) pushLoop() {
 				continue
 			case <-p.pushQuit:
 				p.omu.Lock()
-				empty := len(p.out) == 0
+				empty := len(p.out)+len(p.outDecode) == 0
 				p.omu.Unlock()
 				if empty {
 					return
@@ -90,7 +102,7 @@ func (p *Prefetcher) pushLoop() {
 		p.mu.Lock()
 		p.pushing++
 		p.mu.Unlock()
-		p.push(batch, &sc)
+		p.pushPart(batch, &sc, &dsc)
 		p.mu.Lock()
 		p.pushing--
 		p.idle.Broadcast()
@@ -100,23 +112,42 @@ func (p *Prefetcher) pushLoop() {
 	}
 }
 
-// push stores, confirms and settles one batch of answers: the decode
-// hints' first (a decode step's barrier waits on them, and the batch may
-// hold thousands of prefill pages), then the rest.
-func (p *Prefetcher) push(batch []outcome, sc *pushScratch) {
-	n := 0
-	for i := range batch {
-		if batch[i].decode {
-			batch[i], batch[n] = batch[n], batch[i]
-			n++
-		}
+// takeLocked appends to batch the answers a pusher handles next: every
+// decode answer waiting, else every other answer.
+//
+// REQUIRES(p.omu)
+func (p *Prefetcher) takeLocked(batch []outcome) []outcome {
+	if len(p.outDecode) > 0 {
+		batch = append(batch, p.outDecode...)
+		clear(p.outDecode)
+		p.outDecode = reuse(p.outDecode)
+		return batch
 	}
-	p.pushPart(batch[:n], sc)
-	p.pushPart(batch[n:], sc)
+	batch = append(batch, p.out...)
+	clear(p.out)
+	p.out = reuse(p.out)
+	return batch
+}
+
+// pushDecodeWaiting stores and settles the decode answers waiting, if any,
+// with dsc: a prefill batch's pusher calls it between its stores.
+func (p *Prefetcher) pushDecodeWaiting(dsc *pushScratch) {
+	p.omu.Lock()
+	if len(p.outDecode) == 0 {
+		p.omu.Unlock()
+		return
+	}
+	batch := p.takeLocked(dsc.batch[:0])
+	p.omu.Unlock()
+	p.pushPart(batch, dsc, nil)
+	clear(batch)
+	dsc.batch = reuse(batch)
 }
 
 // pushPart stores, confirms and settles answers, adjacent pages in one store.
-func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
+// dsc, when not nil, is the scratch for decode answers that arrive
+// meanwhile: they are stored and settled between this batch's stores.
+func (p *Prefetcher) pushPart(batch []outcome, sc, dsc *pushScratch) {
 	if len(batch) == 0 {
 		return
 	}
@@ -131,12 +162,13 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 		o := batch[i]
 		switch {
 		case o.confirm:
-			done = append(done, settled{o.run, p.confirm(o.run)})
+			done = append(done, p.confirm(o.run))
 			i++
 			continue
 		case o.err != nil:
 			p.st.PrefetchPagesFailed.Add(o.run.N)
-			done = append(done, settled{o.run, Failed})
+			done = append(done, settled{run: o.run, o: Failed, fetched: o.fetched, why: o.err})
+			p.landed(o.run.N)
 			i++
 			continue
 		}
@@ -158,8 +190,14 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 			data = buf
 		}
 		r := cache.Run{Table: o.run.Table, First: o.run.First, N: n}
-		done = append(done, settled{r, p.store(r, data)})
+		s := p.store(r, data)
+		s.fetched = o.fetched
+		done = append(done, s)
+		p.landed(n)
 		i = j
+		if dsc != nil {
+			p.pushDecodeWaiting(dsc)
+		}
 	}
 	p.settle(done, sc)
 	sc.done = reuse(done)
@@ -170,31 +208,31 @@ func (p *Prefetcher) pushPart(batch []outcome, sc *pushScratch) {
 }
 
 // store pushes run r's data into the page cache.
-func (p *Prefetcher) store(r cache.Run, data []byte) Outcome {
+func (p *Prefetcher) store(r cache.Run, data []byte) settled {
 	off := int64(r.First) * cache.PageSize
 	err := p.pusher.Store(r.Table, off, data)
 	if err == nil {
 		p.st.PrefetchPagesStored.Add(r.N)
 		p.layerOf[r.Table].Pushed.Add(r.N)
-		return Resident
+		return settled{run: r, o: Resident}
 	}
 	p.st.PrefetchStoreErrors.Add(r.N)
 	p.st.PrefetchPagesFailed.Add(r.N)
 	p.log.Warn("page cache store failed", zap.Uint32("table", r.Table), zap.Int64("offset", off), zap.Error(err))
-	return Failed
+	return settled{run: r, o: Failed, why: fmt.Errorf("table %s: page cache store of pages [%d, +%d): %w", p.model.Tables[r.Table].Name, r.First, r.N, err)}
 }
 
 // confirm makes sure a page a fault read is in the page cache.
-func (p *Prefetcher) confirm(r cache.Run) Outcome {
+func (p *Prefetcher) confirm(r cache.Run) settled {
 	if p.confirmer == nil {
-		return Resident
+		return settled{run: r, o: Resident}
 	}
 	if err := p.confirmer.Confirm(r.Table, int64(r.First)*cache.PageSize); err != nil {
 		p.st.PrefetchPagesFailed.Add(r.N)
 		p.log.Warn("confirming a faulted page failed", zap.Uint32("table", r.Table), zap.Uint64("page", r.First), zap.Error(err))
-		return Failed
+		return settled{run: r, o: Failed, why: fmt.Errorf("table %s: confirming faulted page %d: %w", p.model.Tables[r.Table].Name, r.First, err)}
 	}
-	return Resident
+	return settled{run: r, o: Resident}
 }
 
 // settle offers the resident pages to the hot tier, then settles them all:
@@ -235,9 +273,104 @@ func (p *Prefetcher) settle(done []settled, sc *pushScratch) {
 		}
 	}
 	p.mu.Lock()
+	freed := false
+	var checks []throttleCheck
 	for _, d := range done {
-		p.c.settle(d.run.Table, d.run.First, d.run.N, d.o)
+		if d.fetched {
+			freed = true
+			if d.o == Resident {
+				checks = p.markPushed(d.run, checks)
+			}
+		}
+		p.c.settleWhy(d.run.Table, d.run.First, d.run.N, d.o, d.why)
 	}
 	p.mu.Unlock()
+	if len(checks) > 0 {
+		p.throttle(checks)
+	}
+	if freed {
+		p.wakeFetch()
+	}
 	sc.decode, sc.prefill = reuse(decodeKeys), reuse(prefillKeys)
+}
+
+// markPushed marks the pages of run r, just stored, as pushed: a fault on
+// one before the next counts as a push evicted before use. A page a reader
+// faulted while its fetch was in flight is not marked: that reader used it.
+// It returns checks with the handles that want their first pushed prefill
+// page looked up (every throttleCheckPages pages pushed for them).
+//
+// REQUIRES(p.mu)
+func (p *Prefetcher) markPushed(r cache.Run, checks []throttleCheck) []throttleCheck {
+	for pg := r.First; pg < r.First+r.N; pg++ {
+		s := p.c.pages.get(r.Table, pg)
+		if s == nil || s.faulted {
+			continue
+		}
+		p.markBits(p.pushed, r.Table, pg, 1)
+		if s.decode {
+			continue
+		}
+		k := cache.PageKey{Table: r.Table, Page: pg}
+		checks = pushedFor(s.first.b, k, checks)
+		for _, l := range s.more {
+			checks = pushedFor(l.b, k, checks)
+		}
+	}
+	return checks
+}
+
+// throttleCheckPages: a handle's first pushed prefill page is looked up
+// once per this many pages pushed for it since its last barrier (a
+// mincore call, ~1 µs).
+const throttleCheckPages = 1024
+
+// throttleCheck is a handle whose first pushed page to look up.
+type throttleCheck struct {
+	b *Barrier
+	k cache.PageKey
+}
+
+// pushedFor counts page k as pushed for b.
+//
+// REQUIRES(p.mu)
+func pushedFor(b *Barrier, k cache.PageKey, checks []throttleCheck) []throttleCheck {
+	if b.pushedSince == 0 {
+		b.pushedFirst = k
+	}
+	if b.pushedSince++; b.pushedSince%throttleCheckPages == 0 && !b.throttled {
+		checks = append(checks, throttleCheck{b, b.pushedFirst})
+	}
+	return checks
+}
+
+// throttle looks up the first pushed page of each check's handle: evicted
+// before its barrier returned, the handle's prefill work is more than the
+// page cache holds, and every further page it pushed would evict one it
+// pushed before its reader got there (issue 24: a prefill larger than
+// memory read 90% of its pushed pages again). The rest of its prefill work
+// drops instead (core.claim; counted dropped, and in
+// prefetch_pages_throttled): its reader faults those pages, one read each.
+func (p *Prefetcher) throttle(checks []throttleCheck) {
+	if p.hot == nil {
+		return
+	}
+	var vec [1]byte
+	for _, c := range checks {
+		if !p.hot.ResidentRun(c.k.Table, c.k.Page, 1, vec[:]) || vec[0]&1 != 0 {
+			continue // cannot tell, or still there
+		}
+		p.mu.Lock()
+		if c.b.pushedSince > 0 && c.b.pushedFirst == c.k { // not a new barrier since
+			c.b.throttled = true
+		}
+		p.mu.Unlock()
+	}
+}
+
+// landed takes n answered pages off the pushers' backlog (their store
+// landed or failed) and lets the fetch loop claim again.
+func (p *Prefetcher) landed(n uint64) {
+	p.unstored.Add(-int64(n))
+	p.wakeFetch()
 }

@@ -1,6 +1,8 @@
 package prefetch
 
 import (
+	"slices"
+
 	"github.com/engramfs/engramfs/cache"
 	"github.com/engramfs/engramfs/hints"
 )
@@ -210,6 +212,7 @@ type core struct {
 
 	// Tallies for the counters (the Prefetcher publishes them).
 	queued, dropped uint64
+	throttledDrops  uint64 // of dropped: for throttled handles (Barrier.throttled)
 	// onDrop hears of dropped pages (per-layer counters, the hint
 	// accuracy bitmap); may be nil.
 	onDrop func(table uint32, first, n uint64)
@@ -235,17 +238,32 @@ func (c *core) endSubmission(b *Barrier, seq uint64, frameEnd bool) {
 	b.advance()
 }
 
-// pinned counts n pages of b's current submission that were pinned already.
-func (c *core) pinned(b *Barrier, n uint64) {
-	b.status.Pages += n
-	b.status.Pinned += n
+// pinned counts the pages of b's current submission that were pinned
+// already, and cached those that were in the page cache already (resident,
+// nothing to fetch). A page b still waits for from an earlier submission
+// (queued, in flight, or faulted and being confirmed: the page cache may
+// have it already) counts once, when it settles; counting it here too
+// would count it twice.
+func (c *core) present(b *Barrier, pinned, cached []cache.PageKey) {
+	for _, k := range pinned {
+		if !c.waiting(b, k) {
+			b.status.Pages++
+			b.status.Pinned++
+		}
+	}
+	for _, k := range cached {
+		if !c.waiting(b, k) {
+			b.status.Pages++
+			b.status.Resident++
+			b.status.Cached++
+		}
+	}
 }
 
-// cached counts n pages of b's submission that were in the page cache
-// already: resident, nothing to fetch.
-func (c *core) cached(b *Barrier, n uint64) {
-	b.status.Pages += n
-	b.status.Resident += n
+// waiting reports whether b waits for page k.
+func (c *core) waiting(b *Barrier, k cache.PageKey) bool {
+	s := c.pages.get(k.Table, k.Page)
+	return s != nil && s.linked(b)
 }
 
 // pageRun is pages [first, first+n) of table: what a submission names.
@@ -276,12 +294,7 @@ func (c *core) admit(b *Barrier, seq uint64, runs []pageRun, decode, admitDecode
 		for skip := total - c.cfg.prefillPages; skip > 0; {
 			r := &runs[0]
 			k := min(uint64(skip), r.n)
-			b.status.Pages += k
-			b.status.Dropped += k
-			c.dropped += k
-			if c.onDrop != nil {
-				c.onDrop(r.table, r.first, k)
-			}
+			c.dropUnqueued(b, r.table, r.first, k)
 			r.first += k
 			r.n -= k
 			skip -= int(k)
@@ -335,6 +348,34 @@ func (c *core) admit(b *Barrier, seq uint64, runs []pageRun, decode, admitDecode
 	}
 }
 
+// dropUnqueued counts pages [first, first+n) of table, cut off a prefill
+// submission of b before they were queued, as dropped, but for those b
+// waits for already (they settle, and count, as they will). A handle that
+// waits for nothing, as a fresh oversize frame's, is counted a run at a
+// time: no page lookups under the lock for a 4M-row frame.
+func (c *core) dropUnqueued(b *Barrier, table uint32, first, n uint64) {
+	if len(b.open) == 0 {
+		b.status.Pages += n
+		b.status.Dropped += n
+		c.dropped += n
+		if c.onDrop != nil {
+			c.onDrop(table, first, n)
+		}
+		return
+	}
+	for pg := first; pg < first+n; pg++ {
+		if c.waiting(b, cache.PageKey{Table: table, Page: pg}) {
+			continue
+		}
+		b.status.Pages++
+		b.status.Dropped++
+		c.dropped++
+		if c.onDrop != nil {
+			c.onDrop(table, pg, 1)
+		}
+	}
+}
+
 // enqueue puts r on its queue, making room in the prefill queue first.
 func (c *core) enqueue(b *Barrier, r run, decode bool) {
 	c.queued += r.n
@@ -352,6 +393,33 @@ func (c *core) enqueue(b *Barrier, r run, decode bool) {
 	c.prefill.push(r)
 }
 
+// throttled reports whether every handle waiting for the page is
+// throttled: its pushes are being evicted before its barrier returns.
+func (s *pageState) throttled() bool {
+	if s.first.b == nil || !s.first.b.throttled {
+		return false
+	}
+	for _, l := range s.more {
+		if !l.b.throttled {
+			return false
+		}
+	}
+	return true
+}
+
+// linked reports whether b waits for the page.
+func (s *pageState) linked(b *Barrier) bool {
+	if s.first.b == b {
+		return true
+	}
+	for _, l := range s.more {
+		if l.b == b {
+			return true
+		}
+	}
+	return false
+}
+
 // addLink records that b's submission seq waits for the page; false if b
 // was waiting for it already.
 func (s *pageState) addLink(b *Barrier, seq uint64) bool {
@@ -359,13 +427,8 @@ func (s *pageState) addLink(b *Barrier, seq uint64) bool {
 		s.first = link{b, seq}
 		return true
 	}
-	if s.first.b == b {
+	if s.linked(b) {
 		return false
-	}
-	for _, l := range s.more {
-		if l.b == b {
-			return false
-		}
 	}
 	s.more = append(s.more, link{b, seq})
 	return true
@@ -388,7 +451,7 @@ func (c *core) dropOldest() {
 		if c.onDrop != nil {
 			c.onDrop(r.table, pg, 1)
 		}
-		s.settle(Dropped)
+		s.settle(Dropped, nil)
 	}
 }
 
@@ -409,6 +472,7 @@ func (c *core) next(budget int) (decode, prefill []cache.Run) {
 		b := c.ring[c.rr]
 		r, _ := b.decodeQ.pop()
 		out, dbudget = c.claim(out, &b.decodeQ, r, dbudget, true)
+		b.noteRoom()
 		if b.decodeQ.len() == 0 {
 			b.inRing = false
 			c.ring = append(c.ring[:c.rr], c.ring[c.rr+1:]...)
@@ -447,6 +511,16 @@ func (c *core) claim(out []cache.Run, q *runFIFO, r run, budget int, decode bool
 		if s == nil || s.gen > r.id || s.stage != stQueued {
 			continue
 		}
+		if !decode && !s.decode && s.throttled() {
+			c.pages.del(r.table, pg)
+			c.dropped++
+			c.throttledDrops++
+			if c.onDrop != nil {
+				c.onDrop(r.table, pg, 1)
+			}
+			s.settle(Dropped, nil)
+			continue
+		}
 		s.stage = stInflight
 		budget--
 		c.inflight++
@@ -470,7 +544,7 @@ func (c *core) claim(out []cache.Run, q *runFIFO, r run, budget int, decode bool
 }
 
 // answered returns the pages of r to the in-flight budget: the loader
-// answered them.
+// answered them. They wait for a pusher now (Prefetcher.unstored).
 func (c *core) answered(r cache.Run) {
 	c.inflight -= int(r.N)
 	for pg := r.First; pg < r.First+r.N; pg++ {
@@ -497,14 +571,18 @@ func (c *core) admissions(table uint32, first, n uint64, fn func(k cache.PageKey
 
 // settle ends pages [first, first+n) of table that are in flight or awaiting
 // confirmation: every handle waiting for them hears outcome.
-func (c *core) settle(table uint32, first, n uint64, o Outcome) {
+func (c *core) settle(table uint32, first, n uint64, o Outcome) { c.settleWhy(table, first, n, o, nil) }
+
+// settleWhy is settle with why the pages failed (o Failed), which every
+// handle waiting for them hears in its barrier's status.
+func (c *core) settleWhy(table uint32, first, n uint64, o Outcome, why error) {
 	for pg := first; pg < first+n; pg++ {
 		s := c.pages.get(table, pg)
 		if s == nil || s.stage == stQueued {
 			continue // not claimed: not ours to settle
 		}
 		c.forget(table, pg, s)
-		s.settle(o)
+		s.settle(o, why)
 	}
 }
 
@@ -541,9 +619,22 @@ func (c *core) decodeBusy() <-chan struct{} {
 // flight, once a page: a page a fault cancelled or caught already is neither.
 // Either way the page is marked faulted, so its settle offers the hot tier
 // nothing (see admissions).
-func (c *core) faulted(keys []cache.PageKey) (confirm []cache.PageKey, late uint64) {
-	for _, k := range keys {
+//
+// A page awaiting confirmation is the pusher's own Confirm read, which
+// faulted it in again (it was evicted after the first fault's reply): it
+// is no demand, and demand is keys without it (keys itself when there is
+// none). The reader's access was the first fault.
+func (c *core) faulted(keys []cache.PageKey) (confirm, demand []cache.PageKey, late uint64) {
+	demand = keys
+	for i, k := range keys {
 		s := c.pages.get(k.Table, k.Page)
+		own := s != nil && s.stage == stFaulted
+		switch {
+		case own && len(demand) == len(keys):
+			demand = slices.Clone(keys[:i])
+		case !own && len(demand) < len(keys):
+			demand = append(demand, k)
+		}
 		if s == nil {
 			continue
 		}
@@ -560,7 +651,7 @@ func (c *core) faulted(keys []cache.PageKey) (confirm []cache.PageKey, late uint
 			}
 		}
 	}
-	return confirm, late
+	return confirm, demand, late
 }
 
 // drain empties the queues at close: every queued page fails. Pages in
@@ -569,20 +660,21 @@ func (c *core) drain() {
 	c.pages.each(func(k cache.PageKey, s *pageState) {
 		if s.stage == stQueued {
 			c.forget(k.Table, k.Page, s)
-			s.settle(Failed)
+			s.settle(Failed, ErrStopped)
 		}
 	})
 	c.prefill.reset()
 	for _, b := range c.ring {
 		b.decodeQ.reset()
 		b.inRing = false
+		b.noteRoom()
 	}
 	c.ring = nil
 }
 
-func (s *pageState) settle(o Outcome) {
-	s.first.b.settle(s.first.seq, o)
+func (s *pageState) settle(o Outcome, why error) {
+	s.first.b.settle(s.first.seq, o, why)
 	for _, l := range s.more {
-		l.b.settle(l.seq, o)
+		l.b.settle(l.seq, o, why)
 	}
 }

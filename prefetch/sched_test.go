@@ -108,7 +108,7 @@ func TestCoreStaleRunNeverSettlesANewerState(t *testing.T) {
 	pre, dec := NewBarrier(), NewBarrier()
 	submit(c, pre, false, true, pageRun{0, 10, 4}) // pages 10-13 as prefill
 	k := cache.PageKey{Table: 0, Page: 11}
-	if confirm, _ := c.faulted([]cache.PageKey{k}); len(confirm) != 1 {
+	if confirm, _, _ := c.faulted([]cache.PageKey{k}); len(confirm) != 1 {
 		t.Fatalf("faulted returned %v, want page 11 to confirm", confirm)
 	}
 	c.settle(0, 11, 1, Resident) // confirmed resident
@@ -248,7 +248,7 @@ func TestCoreFaultCancelsQueuedNotInflight(t *testing.T) {
 	b := NewBarrier()
 	seq := submit(c, b, false, true, pageRun{0, 0, 2})
 	nextAll(c, 1) // page 0 in flight
-	confirm, late := c.faulted([]cache.PageKey{{Table: 0, Page: 0}, {Table: 0, Page: 1}, {Table: 0, Page: 7}})
+	confirm, _, late := c.faulted([]cache.PageKey{{Table: 0, Page: 0}, {Table: 0, Page: 1}, {Table: 0, Page: 7}})
 	if len(confirm) != 1 || confirm[0].Page != 1 {
 		t.Fatalf("faulted returned %v, want only the queued page 1", confirm)
 	}
@@ -257,7 +257,7 @@ func TestCoreFaultCancelsQueuedNotInflight(t *testing.T) {
 	}
 	// A second fault on the page the first one cancelled: its prefetch is
 	// neither queued nor in flight any more.
-	if confirm, late := c.faulted([]cache.PageKey{{Table: 0, Page: 1}}); len(confirm) != 0 || late != 0 {
+	if confirm, _, late := c.faulted([]cache.PageKey{{Table: 0, Page: 1}}); len(confirm) != 0 || late != 0 {
 		t.Fatalf("second fault on a cancelled page: confirm %v, late %d; want neither", confirm, late)
 	}
 	if runs := nextAll(c, 10); len(runs) != 0 {

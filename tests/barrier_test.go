@@ -193,8 +193,8 @@ func TestIdleReadBarrierReturnsAtOnce(t *testing.T) {
 	checkStatus(t, "text frame", st)
 }
 
-// A handle whose decode backlog is full gets EAGAIN for its next frame,
-// at once and without a byte taken; the Go client sends it again, and it
+// A handle whose decode backlog is full gets EAGAIN for its next decode
+// frame (never for a prefill frame), at once and without a byte taken; the Go client sends it again, and it
 // lands. Other handles are not refused.
 func TestFullDecodeBacklogRefusesWithEAGAIN(t *testing.T) {
 	spec := geometries()["4096B"]
@@ -217,6 +217,11 @@ func TestFullDecodeBacklogRefusesWithEAGAIN(t *testing.T) {
 	}
 	if s := d.Stats(t); s.HintRefused == 0 || s.HintFrames != 1 {
 		t.Fatalf("hint_refused %d, hint_frames %d; want a refusal and one frame", s.HintRefused, s.HintFrames)
+	}
+	// Prefill frames are never refused, on a full decode backlog either.
+	prefill := hints.AppendBinary(nil, hints.Prefill, 0, []uint64{1, 2})
+	if n, err := syscall.Write(int(ctl.Fd()), prefill); err != nil || n != len(prefill) {
+		t.Fatalf("prefill frame on a full decode backlog: %d, %v; want it taken", n, err)
 	}
 	// Another handle is not refused.
 	other := openControl(t, d)

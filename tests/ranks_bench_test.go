@@ -14,6 +14,7 @@ import (
 
 	"github.com/engramfs/engramfs/hints/client"
 	"github.com/engramfs/engramfs/internal/procfs"
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // Eight rank processes on one node, each hinting its decode steps (72
@@ -175,7 +176,7 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
-	os.Exit(m.Run())
+	os.Exit(testenv.Run(m))
 }
 
 // runRank is one rank of BenchmarkHintsEightRanks, in a process of its own.

@@ -62,15 +62,7 @@ func TestControlFileIsOwnerOnly(t *testing.T) {
 	spec.Rows = 256
 	model := Synth(t, spec)
 	// A mountpoint other users can reach (t.TempDir is 0700).
-	dir, err := os.MkdirTemp("", "engramfs-shared-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	if err := os.Chmod(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	mp := dir + "/mnt"
+	mp := sharedDir(t) + "/mnt"
 	if err := os.Mkdir(mp, 0o755); err != nil {
 		t.Fatal(err)
 	}

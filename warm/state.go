@@ -122,7 +122,9 @@ func Save(path string, m *backing.Model, keys []cache.PageKey) error {
 
 // Load reads the state file at path for model m, and returns at most
 // maxPages of its pages (the first ones: hottest first within each shard of
-// the tier), skipping pages outside the tables. A missing file is
+// the tier), skipping pages outside the tables and pages named again (a
+// file with 300,000 copies of one key warmed it 16,384 times over and
+// reported 16,384 pages pinned, where one was). A missing file is
 // os.ErrNotExist; a file for another model, ErrOtherModel (wrapped with the
 // difference); a damaged one, an error that says so.
 func Load(path string, m *backing.Model, maxPages int) ([]cache.PageKey, Header, error) {
@@ -177,6 +179,7 @@ func Load(path string, m *backing.Model, maxPages int) ([]cache.PageKey, Header,
 		return nil, hdr, bad("negative page count", nil)
 	}
 	keys := make([]cache.PageKey, 0, max(0, min(hdr.Pages, maxPages)))
+	seen := make(map[cache.PageKey]struct{}, cap(keys))
 	for i := 0; i < hdr.Pages; i++ {
 		table, k := binary.Uvarint(rest)
 		if k <= 0 {
@@ -194,7 +197,12 @@ func Load(path string, m *backing.Model, maxPages int) ([]cache.PageKey, Header,
 		if t := m.Tables[table]; page < t.DataPage() || page >= t.Pages() {
 			continue
 		}
-		keys = append(keys, cache.PageKey{Table: uint32(table), Page: page})
+		key := cache.PageKey{Table: uint32(table), Page: page}
+		if _, dup := seen[key]; dup {
+			continue
+		}
+		seen[key] = struct{}{}
+		keys = append(keys, key)
 	}
 	if len(rest) != 0 {
 		return nil, hdr, bad(fmt.Sprintf("%d bytes after the page list", len(rest)), nil)

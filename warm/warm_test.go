@@ -29,11 +29,19 @@ func synthModel(t *testing.T, rows uint64) *backing.Model {
 	return m
 }
 
+// someKeys returns n distinct data pages of m, the tables' in turn (fewer
+// if m has fewer).
 func someKeys(m *backing.Model, n int) []cache.PageKey {
 	var keys []cache.PageKey
-	for i := 0; len(keys) < n; i++ {
-		t := m.Tables[i%len(m.Tables)]
-		keys = append(keys, cache.PageKey{Table: t.ID, Page: t.DataPage() + uint64(i*7)%(t.Pages()-t.DataPage())})
+	for i, left := 0, true; len(keys) < n && left; {
+		left = false
+		for _, t := range m.Tables {
+			if pg := t.DataPage() + uint64(i); pg < t.Pages() && len(keys) < n {
+				keys = append(keys, cache.PageKey{Table: t.ID, Page: pg})
+				left = true
+			}
+		}
+		i++
 	}
 	return keys
 }
@@ -148,5 +156,37 @@ func TestWarmUpSubmitsInBatchesAsDecode(t *testing.T) {
 	}
 	if res.Pages != 1000 || res.Pinned != 1000 {
 		t.Fatalf("result %+v, want 1000 pages, all pinned", res)
+	}
+}
+
+// A state file that names a page many times yields it once: 300,000 copies
+// of one key were warmed 16,384 times over (the tier's capacity in pages)
+// and reported 16,384 pages pinned, where one was.
+func TestLoadSkipsRepeatedPages(t *testing.T) {
+	m := synthModel(t, 1000)
+	path := filepath.Join(t.TempDir(), "state")
+	two := someKeys(m, 2)
+	keys := make([]cache.PageKey, 0, 300_001)
+	for range 300_000 {
+		keys = append(keys, two[0])
+	}
+	keys = append(keys, two[1])
+	if err := Save(path, m, keys); err != nil {
+		t.Fatal(err)
+	}
+	got, _, err := Load(path, m, 300_001)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(got, two) {
+		t.Fatalf("loaded %d keys, want the 2 distinct ones in order", len(got))
+	}
+	st := &stats.Counters{}
+	tier := &fakeTier{pinned: map[cache.PageKey]bool{}}
+	res := make(chan Result, 1)
+	Start(Config{Keys: got, Prefetch: fakePrefetch{hot: tier}, Hot: tier, Stats: st, Done: func(r Result) { res <- r }})
+	if r := <-res; r.Pages != 2 || r.Pinned != 2 || st.WarmPagesTotal.Load() != 2 {
+		t.Fatalf("warm-up of a state with one page repeated: %d pages, %d pinned, warm_pages_total %d; want 2, 2, 2",
+			r.Pages, r.Pinned, st.WarmPagesTotal.Load())
 	}
 }

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/engramfs/engramfs/internal/testenv"
 )
 
 // benchFileSize is large enough that random 4 KiB reads do not hit the
@@ -29,6 +31,7 @@ func TestMain(m *testing.M) {
 	if benchDir != "" {
 		os.RemoveAll(benchDir)
 	}
+	testenv.RemoveBinaries()
 	os.Exit(code)
 }
 

@@ -62,6 +62,11 @@ func retryablef(f string, a ...any) error { return retryable(fmt.Errorf(f, a...)
 func rangeHeader(off, n int64) string  { return fmt.Sprintf("bytes=%d-%d", off, off+n-1) }
 func contentRange(off, n int64) string { return fmt.Sprintf("bytes %d-%d/", off, off+n-1) }
 
+// ErrNoCredentials is the error of a source opened with no credentials to
+// sign its requests with.
+var ErrNoCredentials = errors.New("no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, " +
+	"or AWS_PROFILE to a profile of ~/.aws/credentials or ~/.aws/config, or run with an instance or container role")
+
 // ClientConfig says how to reach the object store. Credentials come from
 // the standard AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 // AWS_SESSION_TOKEN, AWS_PROFILE, ...) and are never logged.
@@ -109,6 +114,15 @@ func newSDKClient(ctx context.Context, bucket string, cc ClientConfig) (*sdkClie
 	cfg, err := config.LoadDefaultConfig(ctx, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("object store configuration: %w", err)
+	}
+	// Credentials are looked for now, not at the first request: with none
+	// in the environment or the files, the SDK's chain ends at the EC2
+	// metadata service, and its error ("no EC2 IMDS role found") named
+	// neither S3 nor what to set.
+	if _, anon := cfg.Credentials.(aws.AnonymousCredentials); cfg.Credentials != nil && !anon {
+		if _, err := cfg.Credentials.Retrieve(ctx); err != nil {
+			return nil, fmt.Errorf("%w (%v)", ErrNoCredentials, err)
+		}
 	}
 	if cfg.Region == "" {
 		cfg.Region = "us-east-1"

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 )
@@ -92,4 +93,22 @@ func TestSDKClientClassifies(t *testing.T) {
 				tc.retryable, tc.precond, tc.gone)
 		}
 	}
+}
+
+// No credentials anywhere is said as such, at open, with what to set; the
+// SDK's chain ended at the EC2 metadata service, whose error named neither.
+func TestMissingCredentialsAreNamed(t *testing.T) {
+	for _, k := range []string{"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+		"AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"} {
+		t.Setenv(k, "")
+		os.Unsetenv(k)
+	}
+	t.Setenv("AWS_CONFIG_FILE", os.DevNull)
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	t.Setenv("AWS_EC2_METADATA_DISABLED", "true")
+	_, err := newSDKClient(context.Background(), "b", ClientConfig{Endpoint: "http://127.0.0.1:1", PathStyle: true, Conns: 1})
+	if !errors.Is(err, ErrNoCredentials) || !strings.Contains(err.Error(), "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE") {
+		t.Fatalf("open without credentials: %v, want %v", err, ErrNoCredentials)
+	}
+	t.Log(err)
 }

@@ -114,6 +114,7 @@ every column and target.`)
 	fl.IntVar(&cfg.Serve.Spec.Steps, "serve-steps", cfg.Serve.Spec.Steps, "serving loop: decode steps a request (--quick 16)")
 	fl.DurationVar(&cfg.Serve.Compute, "serve-compute", cfg.Serve.Compute, "serving loop: compute a prefill chunk, during which the next chunk is prefetched")
 	fl.DurationVar(&cfg.Serve.DecodeCompute, "serve-decode-compute", cfg.Serve.DecodeCompute, "serving loop: compute after each decode step")
+	fl.BoolVar(&cfg.Serve.DecodeOverlap, "serve-decode-overlap", false, "serving loop: engramfs+hints gathers each decode step right after its hints, the barrier after the gather (its faults join the reads in flight)")
 	engramfs := engramfsFlag(fl)
 	jsonOut := fl.String("json", "", "also write the full report as JSON to `FILE`")
 	plotOut := fl.String("plot", "", "also draw the results as a PNG chart to `FILE`")
@@ -212,13 +213,14 @@ every column and target.`)
 		return err
 	}
 	cfg.Progress, cfg.ProgressTTY = os.Stderr, isTerminal(os.Stderr)
-	return runAndReport(cfg, *jsonOut, *plotOut)
+	_, err = runAndReport(cfg, *jsonOut, *plotOut)
+	return err
 }
 
 // runAndReport runs cfg until done or interrupted (SIGINT/SIGTERM: every
 // mount is stopped and removed before returning), then prints the table and
 // writes the JSON and plot.
-func runAndReport(cfg bench.Config, jsonOut, plotOut string) error {
+func runAndReport(cfg bench.Config, jsonOut, plotOut string) (*bench.Report, error) {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	rep, err := bench.Run(ctx, cfg)
@@ -228,24 +230,24 @@ func runAndReport(cfg bench.Config, jsonOut, plotOut string) error {
 			fmt.Fprintln(os.Stderr, "measured before the interrupt:")
 			rep.WriteTable(os.Stderr)
 		}
-		return errors.New("interrupted")
+		return nil, errors.New("interrupted")
 	}
 	if err != nil {
-		return err
+		return nil, err
 	}
 	rep.WriteTable(os.Stdout)
 	fmt.Printf("total %v\n", rep.Elapsed.Round(time.Second))
 	if jsonOut != "" {
 		if err := rep.WriteJSON(jsonOut); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	if plotOut != "" {
 		if err := rep.Plot(plotOut); err != nil {
-			return err
+			return nil, err
 		}
 	}
-	return nil
+	return rep, nil
 }
 
 func parseGeometries(list string, layers int, defaults []bench.Geometry, rows, flashRows uint64) ([]bench.Geometry, error) {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bytes"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -18,7 +17,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/internal/sdnotify"
-	"github.com/engramfs/engramfs/internal/stats"
 )
 
 // Names under which mount(8) and umount(8) run the binary: for a filesystem
@@ -174,6 +172,9 @@ func mountArgs(h helperArgs, warn io.Writer) (flags []string, logFile string, er
 		default:
 			return nil, "", usagef("-o %s needs a value (%s=...)", name, name)
 		}
+	}
+	if err := checkMountValues(fl, &mf); err != nil { // the state file's directory: the daemon's
+		return nil, "", err
 	}
 	return flags, logFile, nil
 }
@@ -352,25 +353,22 @@ func logTail(path string, from int64) string {
 	return sb.String()
 }
 
-// umountStopTimeout bounds the wait for the daemon to save its warm state
-// and exit after its mount went away.
-const umountStopTimeout = 60 * time.Second
-
 func runUmountHelper(args []string) error {
 	if len(args) == 1 && (args[0] == "-h" || args[0] == "--help") {
 		fmt.Fprintf(os.Stderr, `Usage: %s MOUNTPOINT [-flnrv]
        engramfs umount-helper MOUNTPOINT
 
-The umount(8) helper for fuse.engramfs mounts. A mount with pinned pages is
-busy (the daemon maps the table files itself), so this unmounts, or detaches
-the mount when it is busy, then waits up to %v for the daemon to save its
-warm state and exit. umount(8) runs it for mounts recorded in
-/run/mount/utab: mount with -o uhelper=engramfs.
-`, umountHelperName, umountStopTimeout)
+The umount(8) helper for fuse.engramfs mounts: "engramfs unmount" as
+umount(8) runs it, for mounts recorded in /run/mount/utab (mount with
+-o uhelper=engramfs). It refuses a mount whose table files a process maps,
+naming the processes, unless -f or -l; otherwise it unmounts, or detaches
+the mount when it is busy (the daemon maps the table files itself), then
+waits up to %v for the daemon to save its warm state and exit.
+`, umountHelperName, defaultStopTimeout)
 		return nil
 	}
 	var target string
-	lazy := false
+	force := false
 	for i := 0; i < len(args); i++ {
 		a := args[i]
 		switch {
@@ -379,9 +377,9 @@ warm state and exit. umount(8) runs it for mounts recorded in
 		case strings.HasPrefix(a, "-") && len(a) > 1:
 			for _, c := range a[1:] {
 				switch c {
-				case 'l':
-					lazy = true
-				case 'f', 'n', 'r', 'v', 'i':
+				case 'l', 'f': // lazy, force: the user takes the readers' SIGBUS
+					force = true
+				case 'n', 'r', 'v', 'i':
 				default:
 					return usagef("unknown flag -%c", c)
 				}
@@ -395,40 +393,5 @@ warm state and exit. umount(8) runs it for mounts recorded in
 	if target == "" {
 		return usagef("want MOUNTPOINT")
 	}
-	// The daemon's pid, to wait for it: the mount is gone before the
-	// daemon has saved its warm state and let go of the shards.
-	pid := 0
-	if s, err := stats.ReadFile(target); err == nil {
-		pid = s.Pid
-	}
-	flags := 0
-	if lazy {
-		flags = unix.MNT_DETACH
-	}
-	err := unix.Unmount(target, flags)
-	if errors.Is(err, unix.EBUSY) {
-		// The daemon's own pinned mappings keep the mount busy until it
-		// notices the detach and unmaps them (readers' mappings too).
-		err = unix.Unmount(target, unix.MNT_DETACH)
-	}
-	if err != nil {
-		return fmt.Errorf("%s: %w", target, err)
-	}
-	if pid > 0 {
-		deadline := time.Now().Add(umountStopTimeout)
-		for processAlive(pid) && time.Now().Before(deadline) {
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
-	return nil
-}
-
-// processAlive: pid exists and is not a zombie.
-func processAlive(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
-	}
-	_, rest, ok := bytes.Cut(b, []byte(") "))
-	return ok && len(rest) > 0 && rest[0] != 'Z'
+	return unmountEngramfs(target, unmountOptions{force: force, timeout: defaultStopTimeout})
 }

@@ -28,8 +28,9 @@ first, never dropped, admitted to the hot tier).
 
 Unless --no-wait, it then waits on the read barrier (read(2) on its own
 control handle, which holds up no other process's hints), prints the status
-line (pages named, resident, pinned, dropped, failed) and exits 1 if any
-page failed.`)
+line (pages named, resident, pinned, dropped, failed, and why pages failed)
+and exits 1 if any page failed. A hint the mount rejects (a row out of
+range, an unknown layer) exits 1 with the mount's reason.`)
 	decode := fl.Bool("decode", false, "send a decode hint (this step's rows) instead of a prefill hint")
 	noWait := fl.Bool("no-wait", false, "return once the hint is accepted, without waiting for the rows")
 	pos, err := parseInterspersed(fl, args)

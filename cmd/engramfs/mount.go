@@ -12,9 +12,7 @@ import (
 	"syscall"
 	"time"
 
-	units "github.com/docker/go-units"
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 
 	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/backing/ioengine"
@@ -36,12 +34,14 @@ type mountFlags struct {
 	readEngine   string
 	prefillQueue int
 	decodeQueue  int
+	ctlHandles   int
 	cacheSize    string
 	injectFaults string
 	metricsAddr  string
 	stateFile    string
 	allowOther   bool
 	debugFUSE    bool
+	passthrough  bool
 	s3Flags
 	logFlags
 }
@@ -53,7 +53,7 @@ func (f *mountFlags) register(fl interface {
 	Var(flag.Value, string, string)
 }) {
 	fl.StringVar(&f.tablePattern, "table-pattern", backing.DefaultTablePattern,
-		"regular expression that picks the engram tables among the tensors; named groups `layer` and `table` say which layer and table a tensor is")
+		"regular expression that picks the engram tables among the tensors; its named groups (?P<layer>...) and (?P<table>...) say which layer and table a tensor is")
 	fl.IntVar(&f.queueDepth, "queue-depth", 0, "backing reads in flight at most, across all shards (default 64; 256 for an object store, where a read is a GET with ~20 ms to its first byte)")
 	fl.StringVar(&f.backingIO, "backing-io", "auto",
 		"how shards are read: direct (O_DIRECT, no backing page cache), buffered (FADV_RANDOM, FADV_DONTNEED after each read), or auto (direct where the filesystem accepts it)")
@@ -64,10 +64,14 @@ func (f *mountFlags) register(fl interface {
 	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultPrefillQueuePages,
 		"prefill pages queued at most; past it the oldest prefill hints are dropped (decode hints are never dropped)")
 	fl.IntVar(&f.decodeQueue, "decode-queue", prefetch.DefaultDecodeQueuePages,
-		"decode pages one control handle may have queued; past it its next frame is refused with EAGAIN (min 256)")
+		"decode pages one control handle may have queued; past it its next decode frame is refused with EAGAIN, and a decode frame already begun waits for room a write at a time (min 256)")
+	fl.IntVar(&f.ctlHandles, "control-handles", fs.DefaultControlHandles,
+		"control-file handles open at once at most; past it an open fails with ENFILE")
 	fl.BoolVar(&f.allowOther, "allow-other", false,
 		"let users other than the daemon's read the mount (the control file stays owner-only)")
 	fl.BoolVar(&f.debugFUSE, "debug-fuse", false, "log every FUSE request (very verbose)")
+	fl.BoolVar(&f.passthrough, "passthrough", true,
+		"serve MODEL_DIR's other files (config, tokenizer, shards) with FUSE passthrough where the kernel allows (6.9+, CAP_SYS_ADMIN); false: the daemon reads them, with readahead for sequential readers")
 	fl.StringVar(&f.metricsAddr, "metrics-addr", "",
 		"serve Prometheus metrics on this host:port at /metrics, e.g. 127.0.0.1:9464 (off when empty)")
 	fl.StringVar(&f.stateFile, "state-file", "",
@@ -83,23 +87,27 @@ func init() {
 
 func runMount(args []string) error {
 	fl := newFlagSet("mount", "[flags] MODEL_DIR MOUNTPOINT", `
-Mounts the engram tables of MODEL_DIR on MOUNTPOINT and serves them in the
-foreground until SIGINT or SIGTERM, which unmount (lazily when a reader still
-maps a file). The tree:
+Mounts MODEL_DIR on MOUNTPOINT with its engram tables served by engramfs, and
+serves it in the foreground until SIGINT or SIGTERM, which unmount (lazily
+when a reader still maps a file). The tree:
 
   manifest.json                     layers, tables, dtype, shape, row_bytes, data_offset, file
-  model.safetensors.index.json      weight_map: tensor name -> table file
+  model.safetensors.index.json      weight_map: every tensor -> its table file, or its shard
   layers/<L>/<table>.safetensors    one single-tensor safetensors file per table, data page-aligned
   .engramfs/stats                   JSON counters
   .engramfs/control                 hints: write frames, read(2) on the handle waits for them (owner only)
+  every other file of MODEL_DIR     at its own path, same bytes (config, tokenizer, shards, subdirectories);
+                                    where a name is taken twice the mount's entry wins (a warning names it)
 
 MODEL_DIR holds model.safetensors.index.json and its shards, or *.safetensors
 files, in a directory or under an object store prefix s3://bucket/prefix
 (see the --s3-* flags; credentials come from the AWS environment variables).
 From an object store, every GET is a ranged GET of the bytes asked,
 conditional on the ETag seen at mount: a shard rewritten under the mount
-gives EIO, never other bytes. Must run as root (or with the right to mount
-FUSE directly).`)
+gives EIO, never other bytes. Must run as root (or with CAP_SYS_ADMIN and
+/dev/fuse: FUSE is mounted directly). A MOUNTPOINT with a live engramfs
+mount is refused, naming its daemon's pid; one left dead by a killed daemon
+is cleaned up. Counts must be positive and sizes need a unit (0 excepted).`)
 	var mf mountFlags
 	mf.register(fl)
 	mf.logFlags.register(fl)
@@ -108,6 +116,9 @@ FUSE directly).`)
 	}
 	if fl.NArg() != 2 {
 		return usagef("want MODEL_DIR and MOUNTPOINT, got %d arguments", fl.NArg())
+	}
+	if err := checkMountFlags(fl, &mf); err != nil {
+		return err
 	}
 	log, err := mf.logger()
 	if err != nil {
@@ -131,7 +142,7 @@ FUSE directly).`)
 	d.startWarmUp()
 	gone := make(chan struct{})
 	go func() { d.srv.Wait(); close(gone) }()
-	detached := watchMountpoint(fl.Arg(1))
+	detached := d.srv.Detached()
 	select {
 	case s := <-sig:
 		log.Info("unmounting", zap.String("signal", s.String()))
@@ -145,32 +156,11 @@ FUSE directly).`)
 		// A lazy unmount from outside (engramfs unmount on a busy mount)
 		// hides the mount but keeps the connection alive while anything maps
 		// a file, the daemon's own pinned mappings included: let go of them.
+		// (A mount stacked on ours is no detach: fs.Server.Detached.)
 		log.Info("mount detached from outside", zap.String("mountpoint", d.srv.Mountpoint()))
 		d.notify("STOPPING=1\nSTATUS=detached from outside")
 		return d.stop(false)
 	}
-}
-
-// watchMountpoint closes the returned channel once mountpoint no longer
-// shows the mount (it was detached from outside). The root's attributes are
-// cached by the kernel, so the check rarely reaches FUSE.
-func watchMountpoint(mountpoint string) <-chan struct{} {
-	out := make(chan struct{})
-	var st unix.Stat_t
-	if err := unix.Stat(mountpoint, &st); err != nil {
-		return out
-	}
-	dev := st.Dev
-	go func() {
-		for {
-			time.Sleep(500 * time.Millisecond)
-			if err := unix.Stat(mountpoint, &st); err != nil || st.Dev != dev {
-				close(out)
-				return
-			}
-		}
-	}()
-	return out
 }
 
 // daemon is a running mount and everything it owns. Fields are nil until
@@ -287,7 +277,8 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	loader := cache.NewLoader(src, model.Tables, st)
 	if d.srv, err = fs.New(fs.Options{
 		Model: model, Loader: loader, Stats: st, Log: log,
-		AllowOther: mf.allowOther, Debug: mf.debugFUSE,
+		AllowOther: mf.allowOther, Debug: mf.debugFUSE, ControlHandles: mf.ctlHandles,
+		NoPassthrough: !mf.passthrough,
 	}); err != nil {
 		return nil, err
 	}
@@ -470,10 +461,11 @@ func (d *daemon) stop(unmount bool) error {
 // the daemon's memory cgroup; srv stores again the pages a reader's fault
 // charged to the reader's cgroup before they are pinned (cache/charge.go).
 func newHotCache(m *backing.Model, mountpoint, size string, srv cache.Recharger, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
-	capacity, err := units.RAMInBytes(size)
-	if err != nil || capacity < 0 {
-		return nil, usagef("--cache-size %q: want a size such as 512MiB or 4G, or 0", size)
+	capacity, err := parseSize(size)
+	if err != nil {
+		return nil, usagef("--cache-size %q: %v", size, err)
 	}
+	warnCacheSize(capacity, log)
 	if capacity, err = fitTierToMemcg(capacity, st, log); err != nil {
 		return nil, err
 	}

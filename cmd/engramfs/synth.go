@@ -15,8 +15,9 @@ func runSynth(args []string) error {
 	fl := newFlagSet("synth", "[flags] DIR", `
 Writes a synthetic model directory to DIR: model.safetensors.index.json, one
 shard per engram layer, tables layers.<L>.engram.embed.weight (F8_E4M3) and
-layers.<L>.engram.embed.scale (F32), and one unrelated tensor that engramfs
-must not expose. The bytes are a deterministic function of --seed, the tensor
+layers.<L>.engram.embed.scale (F32), one tensor that is not a table (the mount
+serves it from its shard), and config.json, generation_config.json,
+tokenizer.json and tokenizer_config.json. The bytes are a deterministic function of --seed, the tensor
 name and the offset.`)
 	spec := backing.DefaultSynth()
 	fl.IntVar(&spec.Layers, "layers", spec.Layers, "engram layers (numbered from 0)")

@@ -6,6 +6,22 @@
 // read barrier: read(2) on the handle, which blocks this handle only (fsync
 // would also wait, but holds the control file's inode lock, so every other
 // rank's hints would wait behind it).
+//
+// A frame the filesystem rejects (a row out of range, an unknown layer)
+// fails its write with EINVAL, which carries no text; the call then reads
+// the barrier, whose status line says why, and returns an error wrapping
+// ErrRejected and syscall.EINVAL with the reason ("row 99999 out of range
+// (layer 0 has 16384 rows)"). The counts that barrier read are kept for the
+// next Barrier.
+//
+// From another module, require the engramfs module and point it at a
+// checkout (the module is not published):
+//
+//	go mod edit -require=github.com/engramfs/engramfs@v0.0.0 \
+//	    -replace=github.com/engramfs/engramfs=/path/to/engramfs
+//	go mod tidy
+//
+// then import "github.com/engramfs/engramfs/hints/client".
 package client
 
 import (
@@ -37,6 +53,10 @@ const (
 // ErrFailed is wrapped by the error of a barrier whose pages failed.
 var ErrFailed = errors.New("hinted pages failed")
 
+// ErrRejected is wrapped by the error of a frame the filesystem rejected;
+// the error says why.
+var ErrRejected = errors.New("rejected by the mount")
+
 // Hinter writes hints to one handle of a mount's control file. It is safe for
 // concurrent use; frames of concurrent calls are never interleaved.
 type Hinter struct {
@@ -45,6 +65,9 @@ type Hinter struct {
 
 	mu  sync.Mutex
 	buf []byte // GUARDED_BY(mu)
+	// carried is what the barrier read after a rejected frame counted: it
+	// belongs to the next Barrier. GUARDED_BY(mu)
+	carried hints.Status
 }
 
 // Open opens the control file of the engramfs mounted at mount.
@@ -82,6 +105,9 @@ func (h *Hinter) send(c hints.Class, layer int, rows []uint64) error {
 		rows = rows[len(chunk):]
 		h.buf = hints.AppendBinary(h.buf[:0], c, layer, chunk)
 		if err := h.writeFrame(h.buf); err != nil {
+			if errors.Is(err, syscall.EINVAL) {
+				err = h.whyRejected(err)
+			}
 			return fmt.Errorf("hint %s layer %d: %w", c, layer, err)
 		}
 	}
@@ -135,10 +161,31 @@ func (h *Hinter) writeFrame(frame []byte) error {
 	}
 }
 
-// Barrier returns once every frame accepted so far on this handle has
-// settled, with the counts since the previous barrier. Its error wraps
-// ErrFailed if pages failed (the status is returned too).
-func (h *Hinter) Barrier() (hints.Status, error) {
+// whyRejected reads why the filesystem rejected a frame (the write's
+// EINVAL carries no text; the barrier's status line does) and keeps the
+// barrier's counts for the next Barrier. It waits for this handle's
+// earlier frames, as any barrier does.
+//
+// REQUIRES(h.mu)
+func (h *Hinter) whyRejected(werr error) error {
+	st, err := h.readStatus()
+	if err != nil {
+		return fmt.Errorf("%w (the reason was not read: %v)", werr, err)
+	}
+	reason := st.Error
+	if st.Failed == 0 {
+		st.Error = "" // said now; nothing more for the next barrier
+	}
+	h.carried.Add(st)
+	if reason == "" {
+		return werr // a daemon that does not say
+	}
+	return fmt.Errorf("%w: %s: %w", ErrRejected, reason, werr)
+}
+
+// readStatus is one barrier read: the status line, or the zero Status when
+// nothing was sent since the previous barrier.
+func (h *Hinter) readStatus() (hints.Status, error) {
 	var st hints.Status
 	buf := make([]byte, 4096)
 	n, err := h.f.Read(buf) // EINTR is retried by os.File
@@ -146,13 +193,34 @@ func (h *Hinter) Barrier() (hints.Status, error) {
 	case errors.Is(err, io.EOF) || (err == nil && n == 0):
 		return st, nil // nothing sent since the previous barrier
 	case err != nil:
-		return st, fmt.Errorf("hint barrier: %w", err)
+		return st, err
 	}
 	if err := json.Unmarshal(buf[:n], &st); err != nil {
-		return st, fmt.Errorf("hint barrier: status line %q: %w", buf[:n], err)
+		return st, fmt.Errorf("status line %q: %w", buf[:n], err)
 	}
-	if st.Failed > 0 {
+	return st, nil
+}
+
+// Barrier returns once every frame accepted so far on this handle has
+// settled, with the counts since the previous barrier. Its error wraps
+// ErrFailed if pages failed, or ErrRejected if a frame was rejected that no
+// call has reported (another writer's on the handle), and says why; the
+// status is returned too.
+func (h *Hinter) Barrier() (hints.Status, error) {
+	st, err := h.readStatus()
+	h.mu.Lock()
+	h.carried.Add(st)
+	st, h.carried = h.carried, hints.Status{}
+	h.mu.Unlock()
+	switch {
+	case err != nil:
+		return st, fmt.Errorf("hint barrier: %w", err)
+	case st.Failed > 0 && st.Error == "": // a daemon that does not say
 		return st, fmt.Errorf("hint barrier: %d of %d pages: %w", st.Failed, st.Pages, ErrFailed)
+	case st.Failed > 0:
+		return st, fmt.Errorf("hint barrier: %d of %d pages (%s): %w", st.Failed, st.Pages, st.Error, ErrFailed)
+	case st.Error != "":
+		return st, fmt.Errorf("hint barrier: %w: %s", ErrRejected, st.Error)
 	}
 	return st, nil
 }

@@ -2,12 +2,14 @@ package client
 
 import (
 	"errors"
+	"fmt"
 	"io/fs"
 	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"reflect"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -232,34 +234,64 @@ func TestBarrierParsesTheStatusLine(t *testing.T) {
 	}
 }
 
-// The Python client installs with pip from the repository into a fresh venv
-// (Debian's python3-venv and python3-setuptools, no package index: CI runs
-// the same) and imports from there, not from the source tree.
+// The status line's reason reaches the caller: a rejected frame's as
+// ErrRejected, failed pages' with ErrFailed.
+func TestBarrierSaysWhy(t *testing.T) {
+	for _, c := range []struct {
+		line, want string
+		is         error
+	}{
+		{`{"frames":0,"pages":0,"resident":0,"pinned":0,"dropped":0,"failed":0,"error":"hint frame: row 99999 out of range (layer 0 has 16384 rows)"}`,
+			"hint barrier: rejected by the mount: hint frame: row 99999 out of range (layer 0 has 16384 rows)", ErrRejected},
+		{`{"frames":1,"pages":2,"resident":0,"pinned":0,"dropped":0,"failed":2,"error":"pages failed: table t: read: input/output error"}`,
+			"hint barrier: 2 of 2 pages (pages failed: table t: read: input/output error): hinted pages failed", ErrFailed},
+	} {
+		mount, control := fakeMount(t)
+		if err := os.WriteFile(control, []byte(c.line+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		h, err := Open(mount)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := h.Barrier(); !errors.Is(err, c.is) || err.Error() != c.want {
+			t.Errorf("Barrier: %v, want %q", err, c.want)
+		}
+		h.Close()
+	}
+}
+
+// The Python client installs as the README says, `pip install
+// ./hints/python`, with no package index (--no-index: build isolation has
+// nothing to fetch, the backend is the standard library's) into a fresh
+// venv (Debian's python3-venv), imports from there, not from the source
+// tree, and leaves the checkout as it was (setuptools left build/ and
+// *.egg-info in it).
 func TestPythonClientPipInstalls(t *testing.T) {
 	const python = "/usr/bin/python3"
-	if err := exec.Command(python, "-c", "import venv, ensurepip, setuptools").Run(); err != nil {
+	if err := exec.Command(python, "-c", "import venv, ensurepip").Run(); err != nil {
 		if os.Getenv("ENGRAMFS_REQUIRE_FUSE") == "1" {
-			t.Fatalf("%s needs venv, ensurepip and setuptools (Debian: python3-venv python3-setuptools): %v", python, err)
+			t.Fatalf("%s needs venv and ensurepip (Debian: python3-venv): %v", python, err)
 		}
-		t.Skipf("%s needs venv, ensurepip and setuptools: %v", python, err)
+		t.Skipf("%s needs venv and ensurepip: %v", python, err)
 	}
 	venv := filepath.Join(t.TempDir(), "venv")
-	if out, err := exec.Command(python, "-m", "venv", "--system-site-packages", venv).CombinedOutput(); err != nil {
+	if out, err := exec.Command(python, "-m", "venv", venv).CombinedOutput(); err != nil {
 		t.Fatalf("venv: %v\n%s", err, out)
 	}
 	src, err := filepath.Abs(filepath.Join("..", "python"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Build from a copy: an in-tree build leaves build/ and *.egg-info behind.
-	work := filepath.Join(t.TempDir(), "python")
-	if out, err := exec.Command("cp", "-r", src, work).CombinedOutput(); err != nil {
-		t.Fatalf("cp: %v\n%s", err, out)
-	}
-	pip := exec.Command(filepath.Join(venv, "bin", "pip"), "install", "--no-index", "--no-build-isolation", "--disable-pip-version-check", work)
+	before := treeOf(t, src)
+	pip := exec.Command(filepath.Join(venv, "bin", "pip"), "install", "--no-index", "--disable-pip-version-check", "./hints/python")
+	pip.Dir = filepath.Join(src, "..", "..")
 	pip.Env = append(os.Environ(), "PIP_NO_CACHE_DIR=1")
 	if out, err := pip.CombinedOutput(); err != nil {
 		t.Fatalf("pip install: %v\n%s", err, out)
+	}
+	if after := treeOf(t, src); !reflect.DeepEqual(after, before) {
+		t.Errorf("pip install changed the checkout's hints/python:\nbefore %v\nafter  %v", before, after)
 	}
 	check := exec.Command(filepath.Join(venv, "bin", "python"), "-c",
 		"import engramfs_hints, sys; assert '/site-packages/' in engramfs_hints.__file__, engramfs_hints.__file__; print(engramfs_hints.__file__)")
@@ -269,4 +301,78 @@ func TestPythonClientPipInstalls(t *testing.T) {
 		t.Fatalf("import from the venv: %v\n%s", err, out)
 	}
 	t.Logf("installed: %s", out)
+}
+
+// treeOf lists the files under dir with their sizes and modes, byte code
+// caches aside (ignored by git, and written by any import).
+func treeOf(t *testing.T, dir string) map[string]string {
+	t.Helper()
+	files := map[string]string{}
+	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.Name() == "__pycache__" {
+			return filepath.SkipDir
+		}
+		fi, err := d.Info()
+		if err != nil {
+			return err
+		}
+		files[strings.TrimPrefix(path, dir)] = fmt.Sprintf("%v %d", fi.Mode(), fi.Size())
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return files
+}
+
+// Another module uses the client as its package doc says: a require and a
+// replace pointing at a checkout, no package index (the client imports the
+// standard library and package hints alone, so nothing is downloaded).
+func TestUsableFromAnotherModule(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds a module")
+	}
+	goBin := filepath.Join(runtime.GOROOT(), "bin", "go")
+	root, err := filepath.Abs(filepath.Join("..", ".."))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	main := `package main
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/engramfs/engramfs/hints/client"
+)
+
+func main() {
+	_, err := client.Open(os.Args[1])
+	fmt.Println(err)
+}
+`
+	if err := os.WriteFile(filepath.Join(dir, "main.go"), []byte(main), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	run := func(args ...string) string {
+		t.Helper()
+		cmd := exec.Command(goBin, args...)
+		cmd.Dir = dir
+		cmd.Env = append(os.Environ(), "GOPROXY=off", "GOFLAGS=-mod=mod", "GOWORK=off")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("go %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+		return string(out)
+	}
+	run("mod", "init", "example.com/ranks")
+	run("mod", "edit", "-require=github.com/engramfs/engramfs@v0.0.0", "-replace=github.com/engramfs/engramfs="+root)
+	run("mod", "tidy")
+	if out := run("run", ".", dir); !strings.Contains(out, "hint open: open "+dir+"/.engramfs/control: no such file or directory") {
+		t.Fatalf("the program printed %q", out)
+	}
 }

@@ -27,6 +27,12 @@ The barrier is read(2) on the handle: it blocks only this handle, never
 another rank's. (os.fsync on the handle also waits, but the kernel then
 holds the control file's lock and every other rank's hints wait behind it.)
 
+A frame the filesystem rejects (a row out of range, an unknown layer) fails
+its write with EINVAL, which carries no text: prefill() or decode() then
+reads the barrier, whose status line says why, and raises HintRejected (an
+OSError, EINVAL) with the reason ("row 99999 out of range (layer 0 has 16384
+rows)"); the counts that barrier read are kept for the next wait().
+
 A Hinter is safe to use from several threads, and after fork: a child
 process opens its own handle on first use (a handle shared across processes
 would mix their frames and their barriers).
@@ -58,15 +64,46 @@ _STATUS_BYTES = 4096
 _EAGAIN_SLEEP_MAX = 0.01
 _EAGAIN_TIMEOUT = 60.0
 
-__all__ = ['Hinter', 'HintFailed', 'MAX_ROWS_PER_FRAME', 'MAX_LAYER', 'PREFILL', 'DECODE']
+__all__ = ['Hinter', 'HintFailed', 'HintRejected', 'MAX_ROWS_PER_FRAME', 'MAX_LAYER', 'PREFILL', 'DECODE']
 
 
 class HintFailed(OSError):
-    """Pages failed since the previous barrier; .status has the counts."""
+    """Pages failed since the previous barrier; .status has the counts and,
+    in status['error'], why the first failed."""
 
     def __init__(self, status, path):
-        super().__init__(errno.EIO, 'hint wait: %d of %d pages failed' % (status['failed'], status['pages']), path)
+        msg = 'hint wait: %d of %d pages failed' % (status['failed'], status['pages'])
+        if status.get('error'):
+            msg += ' (%s)' % status['error']
+        super().__init__(errno.EIO, msg, path)
         self.status = status
+
+
+class HintRejected(OSError):
+    """The filesystem rejected a frame (its write failed with EINVAL);
+    .reason is why, from the barrier's status line ('' from a daemon that
+    does not say)."""
+
+    def __init__(self, what, reason, path):
+        msg = '%s: rejected by the mount' % what
+        if reason:
+            msg += ': ' + reason
+        super().__init__(errno.EINVAL, msg, path)
+        self.reason = reason
+
+
+def _empty_status():
+    return {'frames': 0, 'pages': 0, 'resident': 0, 'pinned': 0, 'dropped': 0, 'failed': 0}
+
+
+def _add_status(into, status):
+    """Add status's counts to into (every count, those a later daemon adds
+    too); keep into's error, or take status's."""
+    for k, v in status.items():
+        if k == 'error':
+            into.setdefault('error', v)
+        elif isinstance(v, int):
+            into[k] = into.get(k, 0) + v
 
 
 def _as_u64(rows):
@@ -122,6 +159,7 @@ class Hinter:
         self._lock = threading.Lock()
         self._fd = None
         self._pid = None
+        self._carried = None  # counts read after a rejected frame: the next wait's
         self._open()
         _LIVE.add(self)
 
@@ -130,6 +168,7 @@ class Hinter:
         # O_RDWR: reading the handle is the barrier.
         self._fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         self._pid = os.getpid()
+        self._carried = None
 
     def _handle(self):
         """The fd of this process's own handle, opened again after a fork."""
@@ -156,19 +195,46 @@ class Hinter:
     def wait(self):
         """Return once every hint sent so far on this handle has settled: a
         dict of counts since the previous wait. Raises HintFailed (an
-        OSError, EIO) if pages failed."""
+        OSError, EIO) if pages failed, HintRejected if a frame was rejected
+        that no call has reported (another thread's writes on the handle);
+        either says why."""
         with self._lock:
             fd = self._handle()
             try:
-                line = os.read(fd, _STATUS_BYTES)  # EINTR is retried (PEP 475)
+                status = self._read_status(fd)
             except OSError as e:
                 raise OSError(e.errno, 'hint wait: %s' % e.strerror, self.path) from e
-        if not line:  # nothing sent since the previous barrier
-            return {'frames': 0, 'pages': 0, 'resident': 0, 'pinned': 0, 'dropped': 0, 'failed': 0}
-        status = json.loads(line)
+            if self._carried is not None:
+                _add_status(self._carried, status)
+                status, self._carried = self._carried, None
         if status.get('failed', 0) > 0:
             raise HintFailed(status, self.path)
+        if status.get('error'):
+            raise HintRejected('hint wait', status['error'], self.path)
         return status
+
+    @staticmethod
+    def _read_status(fd):
+        """One barrier read: the status dict (all zero when nothing was sent
+        since the previous barrier)."""
+        line = os.read(fd, _STATUS_BYTES)  # EINTR is retried (PEP 475)
+        return json.loads(line) if line else _empty_status()
+
+    def _why_rejected(self, fd, what, err):
+        """The HintRejected for a frame whose write failed with EINVAL: the
+        errno carries no text, the barrier's status line says why. The
+        barrier's counts are kept for the next wait()."""
+        try:
+            status = self._read_status(fd)
+        except OSError:
+            return OSError(err.errno, '%s: %s' % (what, err.strerror), self.path)
+        reason = status.pop('error', '')
+        if status.get('failed', 0) > 0 and reason:
+            status['error'] = reason  # the failed pages' reason is the next wait's too
+        if self._carried is None:
+            self._carried = _empty_status()
+        _add_status(self._carried, status)
+        return HintRejected(what, reason, self.path)
 
     def close(self):
         with self._lock:
@@ -202,6 +268,8 @@ class Hinter:
                 try:
                     self._write_frame(fd, header, chunk)
                 except OSError as e:
+                    if e.errno == errno.EINVAL:
+                        raise self._why_rejected(fd, what, e) from e
                     raise OSError(e.errno, '%s: %s' % (what, e.strerror), self.path) from e
 
     def _write_frame(self, fd, header, rows):

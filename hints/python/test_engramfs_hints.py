@@ -166,6 +166,39 @@ class HinterTest(unittest.TestCase):
             self.assertEqual(cm.exception.errno, errno.EIO)
             self.assertEqual(cm.exception.status['failed'], 2)
 
+    def test_rejected_frame_says_why(self):
+        reason = 'hint frame: row 99999 out of range (layer 0 has 16384 rows)'
+        line = ('{"frames":1,"pages":4,"resident":4,"pinned":0,"dropped":0,"failed":0,"error":"%s"}\n' % reason).encode()
+
+        def einval(fd, bufs):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        with eh.Hinter(self.mount) as h:
+            with mock.patch.object(eh.os, 'writev', side_effect=einval), \
+                    mock.patch.object(eh.os, 'read', return_value=line):
+                with self.assertRaises(eh.HintRejected) as cm:
+                    h.decode(0, [99999])
+            self.assertEqual(cm.exception.errno, errno.EINVAL)
+            self.assertEqual(cm.exception.reason, reason)
+            self.assertEqual(str(cm.exception),
+                             '[Errno 22] hint decode layer 0: rejected by the mount: %s: %r' % (reason, self.control))
+            # The counts that barrier read belong to the next wait; the
+            # reason was said once.
+            self.assertEqual(h.wait(), {'frames': 1, 'pages': 4, 'resident': 4, 'pinned': 0, 'dropped': 0, 'failed': 0})
+            self.assertEqual(h.wait()['frames'], 0)
+
+            # A reason no call reported (another thread's frame) is raised by wait.
+            with mock.patch.object(eh.os, 'read', return_value=line):
+                with self.assertRaises(eh.HintRejected) as cm:
+                    h.wait()
+            self.assertEqual(cm.exception.reason, reason)
+
+            # Failed pages say why.
+            failed = line.replace(b'"failed":0', b'"failed":2').replace(reason.encode(), b'pages failed: table t: EIO')
+            with mock.patch.object(eh.os, 'read', return_value=failed):
+                with self.assertRaises(eh.HintFailed) as cm:
+                    h.wait()
+            self.assertIn('2 of 4 pages failed (pages failed: table t: EIO)', str(cm.exception))
+
     @unittest.skipUnless(hasattr(os, 'fork'), 'needs fork')
     def test_child_opens_its_own_handle(self):
         h = eh.Hinter(self.mount)

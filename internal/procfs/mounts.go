@@ -2,14 +2,20 @@ package procfs
 
 import (
 	"os"
+	"strconv"
 	"strings"
 )
 
 // Mount is one line of /proc/self/mountinfo.
 type Mount struct {
-	Point  string // where it is mounted, octal escapes decoded
-	FSType string // e.g. "fuse.engramfs", "ext4"
-	Source string // e.g. "/dev/vda", or what the FUSE daemon named it
+	// ID is the mount's unique ID (reused only once it is unmounted), and
+	// Parent the ID of the mount it sits on: for two mounts stacked on one
+	// path, the upper one's Parent is the lower one's ID.
+	ID, Parent int
+	Dev        string // the filesystem's device, "MAJ:MIN" (0:N for FUSE)
+	Point      string // where it is mounted, octal escapes decoded
+	FSType     string // e.g. "fuse.engramfs", "ext4"
+	Source     string // e.g. "/dev/vda", or what the FUSE daemon named it
 	// Root is the directory of the filesystem mounted at Point ("/" for
 	// all of it; a cgroup namespace's own part of a hierarchy).
 	Root string
@@ -48,7 +54,9 @@ func ParseMountinfo(b []byte) []Mount {
 		if len(f) < 5 || sep < 0 || sep+2 >= len(f) {
 			continue // not a mount line: the kernel writes none
 		}
-		m := Mount{Point: unescape(f[4]), FSType: f[sep+1], Source: unescape(f[sep+2]), Root: unescape(f[3])}
+		m := Mount{Point: unescape(f[4]), FSType: f[sep+1], Source: unescape(f[sep+2]), Root: unescape(f[3]), Dev: f[2]}
+		m.ID, _ = strconv.Atoi(f[0])
+		m.Parent, _ = strconv.Atoi(f[1])
 		if sep+3 < len(f) {
 			m.Options = f[sep+3]
 		}
@@ -108,4 +116,44 @@ func MountsUnder(dir string) ([]string, error) {
 		}
 	}
 	return out, nil
+}
+
+// Top is the mount a lookup of path reaches: of the mounts at path, the
+// one no other mount at path sits on (the most recently stacked). ok is
+// false when nothing is mounted at path. path must be clean and absolute,
+// as mountinfo writes it.
+func Top(ms []Mount, path string) (top Mount, ok bool) {
+	for _, m := range ms {
+		if m.Point == path && !covered(ms, m) {
+			return m, true
+		}
+	}
+	return Mount{}, false
+}
+
+// ByID is the mount with the given ID; ok is false when it is no longer
+// in the table (unmounted, or detached lazily).
+func ByID(ms []Mount, id int) (m Mount, ok bool) {
+	for _, m := range ms {
+		if m.ID == id {
+			return m, true
+		}
+	}
+	return Mount{}, false
+}
+
+// Covering is the mount stacked on m at m's own mountpoint, if any: what
+// hides m from a lookup of its path without detaching it.
+func Covering(ms []Mount, m Mount) (Mount, bool) {
+	for _, c := range ms {
+		if c.Parent == m.ID && c.Point == m.Point && c.ID != m.ID {
+			return c, true
+		}
+	}
+	return Mount{}, false
+}
+
+func covered(ms []Mount, m Mount) bool {
+	_, ok := Covering(ms, m)
+	return ok
 }

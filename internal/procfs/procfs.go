@@ -1,6 +1,7 @@
 // Package procfs is the one reader of /proc for engramfs's tools and tests:
 // the "Key: N kB" lines of status and smaps_rollup, a process's CPU time,
-// the mount table, and the kernel's vmstat counters. It parses text only;
+// the mount table (mount IDs, stacked mounts), the processes that map files
+// under a directory (maps), and the kernel's vmstat counters. It parses text only;
 // what a number means for engramfs is the caller's business.
 package procfs
 

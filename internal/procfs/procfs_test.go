@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"testing"
 	"time"
 
@@ -135,10 +136,10 @@ func TestMountinfo(t *testing.T) {
 `)
 	ms := ParseMountinfo(info)
 	want := []Mount{
-		{Point: "/", FSType: "ext4", Source: "/dev/vda", Root: "/", Options: "rw"},
-		{Point: "/tmp/a b", FSType: "fuse.engramfs", Source: "engramfs", Root: "/", Options: "rw,user_id=0"},
-		{Point: "/tmp/a bc", FSType: "tmpfs", Source: "tmpfs", Root: "/", Options: "rw"},
-		{Point: "/sys/fs/cgroup/memory", FSType: "cgroup", Source: "cgroup", Root: "/process_api", Options: "rw,memory"},
+		{ID: 22, Parent: 1, Dev: "253:1", Point: "/", FSType: "ext4", Source: "/dev/vda", Root: "/", Options: "rw"},
+		{ID: 35, Parent: 22, Dev: "0:31", Point: "/tmp/a b", FSType: "fuse.engramfs", Source: "engramfs", Root: "/", Options: "rw,user_id=0"},
+		{ID: 36, Parent: 22, Dev: "0:32", Point: "/tmp/a bc", FSType: "tmpfs", Source: "tmpfs", Root: "/", Options: "rw"},
+		{ID: 36, Parent: 22, Dev: "0:33", Point: "/sys/fs/cgroup/memory", FSType: "cgroup", Source: "cgroup", Root: "/process_api", Options: "rw,memory"},
 	}
 	if len(ms) != len(want) {
 		t.Fatalf("mounts = %+v", ms)
@@ -233,5 +234,79 @@ func TestSwitchesCountsEveryThread(t *testing.T) {
 	}
 	if after < before+50 {
 		t.Errorf("switches %d -> %d, want at least 50 more (thread %d, not the main one, slept 50 times)", before, after, sleeper.tid)
+	}
+}
+
+func TestMappedUnder(t *testing.T) {
+	maps := []byte(`55d0c0a00000-55d0c0a01000 r--p 00000000 fd:01 123 /usr/bin/python3
+7f0000000000-7f0000100000 r--s 00000000 00:3a 7 /mnt/engram/layers/0/weight.safetensors
+7f0000100000-7f0000200000 r--s 00100000 00:3a 7 /mnt/engram/layers/0/weight.safetensors
+7f0000200000-7f0000300000 r--s 00000000 00:3a 9 /mnt/engram/layers/1/a b.safetensors
+7f0000300000-7f0000400000 r--s 00000000 00:3b 4 /mnt/engramx/layers/0/weight.safetensors
+7f0000400000-7f0000500000 rw-p 00000000 00:00 0 
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0                          [stack]
+`)
+	got := MappedUnder(maps, "/mnt/engram/")
+	want := []string{"/mnt/engram/layers/0/weight.safetensors", "/mnt/engram/layers/1/a b.safetensors"}
+	if !slices.Equal(got, want) {
+		t.Errorf("MappedUnder = %q, want %q", got, want)
+	}
+}
+
+// TestMappers finds this process by a file it maps under a directory, and
+// nobody under a sibling directory whose name extends it.
+func TestMappers(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "table")
+	if err := os.WriteFile(p, make([]byte, 4096), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, 4096, unix.PROT_READ, unix.MAP_SHARED)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	ms, err := Mappers(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ms) != 1 || ms[0].Pid != os.Getpid() || !slices.Equal(ms[0].Files, []string{p}) || ms[0].Comm == "" {
+		t.Errorf("Mappers(%s) = %+v, want this process (%d) mapping %s", dir, ms, os.Getpid(), p)
+	}
+	if ms, _ := Mappers(dir[:len(dir)-1]); len(ms) != 0 {
+		t.Errorf("Mappers of a prefix of the directory's name = %+v, want none", ms)
+	}
+}
+
+func TestTopAndCovering(t *testing.T) {
+	info := []byte(`22 1 0:21 / / rw - ext4 /dev/vda rw
+40 22 0:40 / /mnt/engram rw,nosuid,nodev - fuse.engramfs /models/m rw,user_id=0
+41 40 0:41 / /mnt/engram rw - tmpfs tmpfs rw
+42 22 0:42 / /mnt/other rw - tmpfs tmpfs rw
+`)
+	ms := ParseMountinfo(info)
+	if top, ok := Top(ms, "/mnt/engram"); !ok || top.ID != 41 || top.FSType != "tmpfs" {
+		t.Errorf("Top(/mnt/engram) = %+v, %v; want the tmpfs (41) stacked on engramfs", top, ok)
+	}
+	eng, ok := ByID(ms, 40)
+	if !ok || eng.Parent != 22 || eng.Dev != "0:40" || eng.FSType != "fuse.engramfs" {
+		t.Fatalf("ByID(40) = %+v, %v", eng, ok)
+	}
+	if c, ok := Covering(ms, eng); !ok || c.ID != 41 {
+		t.Errorf("Covering(engramfs) = %+v, %v; want 41", c, ok)
+	}
+	if _, ok := Covering(ms, ms[3]); ok {
+		t.Error("an uncovered mount is covered")
+	}
+	if _, ok := Top(ms, "/mnt/none"); ok {
+		t.Error("Top found a mount where there is none")
+	}
+	if _, ok := ByID(ms, 99); ok {
+		t.Error("ByID found a mount that is gone")
 	}
 }

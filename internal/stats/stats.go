@@ -69,6 +69,10 @@ type Counters struct {
 	HintRejected atomic.Uint64
 	HintRefused  atomic.Uint64
 
+	// Control-file handles (fs); ControlHandles is a level.
+	ControlHandles        atomic.Int64
+	ControlHandlesRefused atomic.Uint64
+
 	// Prefetch (prefetch).
 	PrefetchPagesQueued  atomic.Uint64
 	PrefetchPagesStored  atomic.Uint64
@@ -78,6 +82,13 @@ type Counters struct {
 	PrefetchLate         atomic.Uint64
 	PrefetchLateServed   atomic.Uint64
 	PrefetchPagesFailed  atomic.Uint64
+
+	PrefetchPagesReleased atomic.Uint64
+	// Prefetch in the serving loop (prefetch): decode hints that found
+	// their pages cached, pushes evicted before their reader came.
+	PrefetchDecodePagesCached atomic.Uint64
+	PrefetchPushedEvicted     atomic.Uint64
+	PrefetchPagesThrottled    atomic.Uint64
 
 	// Warm restart (warm).
 	WarmPagesTotal atomic.Uint64
@@ -182,6 +193,9 @@ type Snapshot struct {
 	HintRejected uint64 `json:"hint_rejected"`
 	HintRefused  uint64 `json:"hint_refused"`
 
+	ControlHandles        int64  `json:"control_handles"`
+	ControlHandlesRefused uint64 `json:"control_handles_refused"`
+
 	PrefetchPagesQueued  uint64 `json:"prefetch_pages_queued"`
 	PrefetchPagesStored  uint64 `json:"prefetch_pages_stored"`
 	PrefetchPagesCached  uint64 `json:"prefetch_pages_cached"`
@@ -190,6 +204,11 @@ type Snapshot struct {
 	PrefetchLate         uint64 `json:"prefetch_late"`
 	PrefetchLateServed   uint64 `json:"prefetch_late_served"`
 	PrefetchPagesFailed  uint64 `json:"prefetch_pages_failed"`
+
+	PrefetchPagesReleased     uint64 `json:"prefetch_pages_released"`
+	PrefetchDecodePagesCached uint64 `json:"prefetch_decode_pages_cached"`
+	PrefetchPushedEvicted     uint64 `json:"prefetch_pushed_evicted"`
+	PrefetchPagesThrottled    uint64 `json:"prefetch_pages_throttled"`
 
 	WarmPagesTotal uint64 `json:"warm_pages_total"`
 	WarmPagesDone  uint64 `json:"warm_pages_done"`
@@ -252,6 +271,9 @@ func (c *Counters) Snapshot() Snapshot {
 		HintRejected: c.HintRejected.Load(),
 		HintRefused:  c.HintRefused.Load(),
 
+		ControlHandles:        c.ControlHandles.Load(),
+		ControlHandlesRefused: c.ControlHandlesRefused.Load(),
+
 		PrefetchPagesQueued:  c.PrefetchPagesQueued.Load(),
 		PrefetchPagesStored:  c.PrefetchPagesStored.Load(),
 		PrefetchPagesCached:  c.PrefetchPagesCached.Load(),
@@ -260,6 +282,11 @@ func (c *Counters) Snapshot() Snapshot {
 		PrefetchLate:         c.PrefetchLate.Load(),
 		PrefetchLateServed:   c.PrefetchLateServed.Load(),
 		PrefetchPagesFailed:  c.PrefetchPagesFailed.Load(),
+
+		PrefetchPagesReleased:     c.PrefetchPagesReleased.Load(),
+		PrefetchDecodePagesCached: c.PrefetchDecodePagesCached.Load(),
+		PrefetchPushedEvicted:     c.PrefetchPushedEvicted.Load(),
+		PrefetchPagesThrottled:    c.PrefetchPagesThrottled.Load(),
 
 		WarmPagesTotal: c.WarmPagesTotal.Load(),
 		WarmPagesDone:  c.WarmPagesDone.Load(),

@@ -1,0 +1,201 @@
+package fs
+
+import (
+	"context"
+	"os"
+	"strconv"
+	"sync"
+	"syscall"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+
+	"github.com/engramfs/engramfs/cache"
+)
+
+// Sequential readahead, done by the daemon. MaxReadAhead is a setting of
+// the whole connection (the kernel sets the mount's bdi ra_pages from the
+// INIT reply), not of a file: at one page, which the table files need (a
+// random fault must cost one page of backing I/O), `dd bs=1M` of a table
+// became 16,384 FUSE reads of 4 KiB for 64 MiB, 65× slower than reading the
+// shard. So a handle that reads sequentially gets its next pages read and
+// pushed into the page cache (NOTIFY_STORE) ahead of it; the kernel then
+// finds them cached and the reader's next miss is a window further on.
+const (
+	// seqTrigger: a handle's reads must have covered this many bytes
+	// back to back before readahead starts (a table raises it above two
+	// of its rows: a random gather reads a row, a row and a page at most,
+	// back to back). A random reader never gets there.
+	seqTrigger = 64 << 10
+	// seqWindow is the most the pushes reach ahead of the reader's last
+	// miss. The window starts at pushChunk and grows with the run (four
+	// times the bytes read back to back), so a short scan costs little
+	// more than itself; a new window is asked for once the reader's misses
+	// pass half of the one pushed.
+	seqWindow = 32 << 20
+	// pushChunk is one backing read and one page cache store of the
+	// readahead; pushParallel of them are in flight per handle.
+	pushChunk    = 1 << 20
+	pushParallel = 4
+	// maxPushes bounds the pieces in flight across all handles: each holds
+	// a pushChunk buffer, and a thousand readers must not hold 4 GiB.
+	maxPushes = 16
+)
+
+// pushSlots is taken by every piece in flight, all handles together.
+var pushSlots = make(chan struct{}, maxPushes)
+
+// seqRun follows one handle's reads that reach the daemon (page cache
+// misses) and says when, and what, to read ahead.
+type seqRun struct {
+	mu     sync.Mutex
+	next   int64 // GUARDED_BY(mu); end of the last read
+	streak int64 // GUARDED_BY(mu); bytes read back to back so far
+	ahead  int64 // GUARDED_BY(mu); end of the readahead asked for
+}
+
+// observe records a read of [off, end) in a file of size bytes and returns
+// the range to read ahead now, if any (from < to), once trigger bytes were
+// read back to back. A read that lands beyond the last one but inside what
+// was read ahead continues the run: the pages between were pushed, so the
+// kernel asked for none of them.
+func (s *seqRun) observe(off, end, size, trigger int64) (from, to int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if off == s.next || (off > s.next && off <= s.ahead) {
+		s.streak += end - s.next
+	} else {
+		s.streak, s.ahead = end-off, 0
+	}
+	s.next = end
+	window := min(seqWindow, max(pushChunk, 4*s.streak))
+	if s.streak < max(trigger, seqTrigger) || s.ahead >= min(end+window/2, size) {
+		return 0, 0
+	}
+	from, to = max(s.ahead, end), min(end+window, size)
+	if from >= to {
+		return 0, 0
+	}
+	s.ahead = to
+	return from, to
+}
+
+// ownOpen reports whether the process that opens a file is the daemon
+// itself (its live table opens, the hot tier's pinner): its reads follow
+// hints and pins, never a scan to read ahead of. FUSE names the opener by
+// thread id; the daemon's threads are the entries of /proc/self/task.
+func ownOpen(ctx context.Context) bool {
+	caller, ok := fuse.FromContext(ctx)
+	if !ok {
+		return false
+	}
+	_, err := os.Stat("/proc/self/task/" + strconv.FormatUint(uint64(caller.Pid), 10))
+	return err == nil
+}
+
+// readAhead pushes the windows seqRun asks for into one file's page cache,
+// for one handle. A single goroutine at a time hands out the chunks.
+type readAhead struct {
+	seq     seqRun
+	size    int64
+	trigger int64 // bytes read back to back before readahead; at least seqTrigger
+	// fill reads len(b) bytes at off (page-aligned), fewer only at the
+	// end of the file.
+	fill func(b []byte, off int64) (int, error)
+	// store puts data into the file's page cache at off: the inode's
+	// WriteCache (NOTIFY_STORE).
+	store func(off int64, data []byte) syscall.Errno
+
+	mu      sync.Mutex
+	next    int64 // GUARDED_BY(mu); the first byte not handed out yet
+	target  int64 // GUARDED_BY(mu); push up to here
+	running bool  // GUARDED_BY(mu)
+	closed  bool  // GUARDED_BY(mu)
+	wg      sync.WaitGroup
+}
+
+var chunkPool = sync.Pool{New: func() any { b := make([]byte, pushChunk); return &b }}
+
+// observe records a read of [off, end) that reached the daemon and starts
+// pushing when the handle reads sequentially. It never waits for I/O.
+func (r *readAhead) observe(off, end int64) {
+	from, to := r.seq.observe(off, end, r.size, r.trigger)
+	if from >= to {
+		return
+	}
+	from &^= cache.PageSize - 1
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return
+	}
+	if from < r.next || from > r.target {
+		r.next = from // a new run: the old one's rest is not wanted
+	}
+	r.target = to
+	if !r.running {
+		r.running = true
+		r.wg.Add(1)
+		go r.run()
+	}
+}
+
+// run pushes chunks until the target is reached. Never from a Read
+// handler: a store waits on the folio a read holds locked.
+func (r *readAhead) run() {
+	defer r.wg.Done()
+	var inflight sync.WaitGroup
+	defer inflight.Wait()
+	sem := make(chan struct{}, pushParallel)
+	for {
+		// A slot first, then the piece: a piece taken before waiting for
+		// a slot would be pushed after a failure had stopped the run.
+		sem <- struct{}{}
+		pushSlots <- struct{}{}
+		r.mu.Lock()
+		if r.closed || r.next >= r.target {
+			r.running = false
+			r.mu.Unlock()
+			<-pushSlots
+			return
+		}
+		off := r.next
+		n := min(pushChunk, r.target-off)
+		r.next += n
+		r.mu.Unlock()
+		inflight.Add(1)
+		go func() {
+			defer inflight.Done()
+			defer func() { <-pushSlots; <-sem }()
+			if !r.push(off, n) {
+				r.stop()
+			}
+		}()
+	}
+}
+
+// push reads and stores [off, off+n); false when pushing should stop (a
+// read error, which the reader's own read will report, or a mount gone).
+func (r *readAhead) push(off, n int64) bool {
+	bp := chunkPool.Get().(*[]byte)
+	defer chunkPool.Put(bp)
+	got, err := r.fill((*bp)[:n], off)
+	if got == 0 || err != nil {
+		return false
+	}
+	return r.store(off, (*bp)[:got]) == 0
+}
+
+// stop drops what is left to push.
+func (r *readAhead) stop() {
+	r.mu.Lock()
+	r.next = r.target
+	r.mu.Unlock()
+}
+
+// close stops pushing and waits for the pushes in flight (Release).
+func (r *readAhead) close() {
+	r.mu.Lock()
+	r.closed = true
+	r.mu.Unlock()
+	r.wg.Wait()
+}

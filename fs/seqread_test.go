@@ -1,0 +1,220 @@
+package fs
+
+import (
+	"slices"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// fakePushes records what a readAhead reads and stores.
+type fakePushes struct {
+	mu     sync.Mutex
+	stored [][2]int64 // off, len
+	fail   bool       // every store fails
+}
+
+func newFakeReadAhead(size int64) (*readAhead, *fakePushes) {
+	f := &fakePushes{}
+	r := &readAhead{size: size,
+		fill: func(b []byte, off int64) (int, error) { return int(min(int64(len(b)), size-off)), nil },
+		store: func(off int64, data []byte) syscall.Errno {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			f.stored = append(f.stored, [2]int64{off, int64(len(data))})
+			if f.fail {
+				return syscall.ENOENT
+			}
+			return 0
+		}}
+	return r, f
+}
+
+// settle waits (up to a deadline that fails the test) until r has pushed
+// all it was asked to, then closes it.
+func settle(t *testing.T, r *readAhead) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		r.mu.Lock()
+		idle := !r.running
+		r.mu.Unlock()
+		if idle {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("readahead still running after 10 s")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	r.close()
+}
+
+// covered returns the stores sorted, and whether they tile the ranges
+// [from, to) given as pairs, in order, and nothing else.
+func (f *fakePushes) covered(ranges ...int64) ([][2]int64, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s := slices.Clone(f.stored)
+	slices.SortFunc(s, func(a, b [2]int64) int { return int(a[0] - b[0]) })
+	i := 0
+	for r := 0; r < len(ranges); r += 2 {
+		at := ranges[r]
+		for ; i < len(s) && at < ranges[r+1]; i++ {
+			if s[i][0] != at {
+				return s, false
+			}
+			at += s[i][1]
+		}
+		if at != ranges[r+1] {
+			return s, false
+		}
+	}
+	return s, i == len(s)
+}
+
+// Readahead starts once a handle has read seqTrigger bytes back to back,
+// pushes a window after the last read in pushChunk stores, and goes on when
+// the reader's next miss lands where the pushed pages end, with a window
+// that grows with the run (four times its bytes) up to seqWindow.
+func TestReadAheadFollowsASequentialReader(t *testing.T) {
+	const size = 4 * seqWindow
+	r, f := newFakeReadAhead(size)
+	var off int64
+	for ; off < seqTrigger-4096; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	settle(t, r)
+	if len(f.stored) != 0 {
+		t.Fatalf("pushed %v before %d bytes were read in a row", f.stored, seqTrigger)
+	}
+
+	r, f = newFakeReadAhead(size)
+	for off = 0; off < seqTrigger; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	settle(t, r)
+	want := []int64{seqTrigger, seqTrigger + pushChunk} // the first window: one piece
+	if s, ok := f.covered(want...); !ok {
+		t.Fatalf("stores %v: want %v", s, want)
+	}
+
+	// The reader's next miss is where the pushed window ends: the run goes
+	// on past the page it reads itself, the window four times the run.
+	for end := want[len(want)-1]; end < size/2; end = want[len(want)-1] {
+		r.closed = false
+		r.observe(end, end+4096)
+		settle(t, r)
+		window := min(seqWindow, 4*(end+4096))
+		want = append(want, end+4096, end+4096+window)
+		if s, ok := f.covered(want...); !ok {
+			t.Fatalf("miss at %d: stores %v: want %v", end, s, want)
+		}
+	}
+	if last := want[len(want)-1] - want[len(want)-2]; last != seqWindow {
+		t.Fatalf("the window grew to %d, want %d", last, seqWindow)
+	}
+
+	// A table's trigger: two rows and a page read back to back start
+	// nothing when that is more than seqTrigger.
+	r, f = newFakeReadAhead(size)
+	r.trigger = 2*(100<<10) + 4096
+	for off = 0; off < r.trigger-4096; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	settle(t, r)
+	if len(f.stored) != 0 {
+		t.Fatalf("pushed %v within two 100 KiB rows", f.stored)
+	}
+
+	// Near the end of the file, the window stops at its end.
+	r, f = newFakeReadAhead(size)
+	for off = size - seqTrigger - 8192; off < size-8192; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	settle(t, r)
+	if s, ok := f.covered(size-8192, size); !ok {
+		t.Fatalf("stores %v: want [%d, %d)", s, size-8192, size)
+	}
+}
+
+// Random reads never push; a failing store stops the run; close waits for
+// the pushes and no push starts after it.
+func TestReadAheadIgnoresRandomReadsAndStopsOnFailure(t *testing.T) {
+	r, f := newFakeReadAhead(64 << 20)
+	for i := range int64(200) {
+		off := (i * 7919 % 16000) * 4096
+		r.observe(off, off+4096)
+		r.observe(off+4096, off+8192) // a row over two pages
+	}
+	settle(t, r)
+	if len(f.stored) != 0 {
+		t.Fatalf("random reads pushed %v", f.stored)
+	}
+
+	// One large read: a window of seqWindow, 32 pieces, that stops at the
+	// first failed store (the pieces in flight finish).
+	r, f = newFakeReadAhead(64 << 20)
+	f.fail = true
+	r.observe(0, 8<<20)
+	settle(t, r)
+	if len(f.stored) == 0 || len(f.stored) > pushParallel {
+		t.Fatalf("%d stores with every store failing, want 1 to the %d in flight", len(f.stored), pushParallel)
+	}
+	r.close()
+	n := len(f.stored)
+	for off := int64(seqTrigger); off < 4*seqTrigger; off += 4096 {
+		r.observe(off, off+4096)
+	}
+	if len(f.stored) != n {
+		t.Fatal("pushed after close")
+	}
+}
+
+// Pieces in flight are bounded across handles (maxPushes), each holding a
+// buffer: many sequential readers do not multiply the daemon's memory.
+func TestReadAheadBoundsPiecesAcrossHandles(t *testing.T) {
+	var mu sync.Mutex
+	inflight, most := 0, 0
+	release := make(chan struct{})
+	var all []*readAhead
+	for range 3 * maxPushes / pushParallel {
+		r := &readAhead{size: 64 << 20,
+			fill: func(b []byte, off int64) (int, error) { return len(b), nil },
+			store: func(off int64, data []byte) syscall.Errno {
+				mu.Lock()
+				inflight++
+				most = max(most, inflight)
+				mu.Unlock()
+				<-release
+				mu.Lock()
+				inflight--
+				mu.Unlock()
+				return 0
+			}}
+		r.observe(0, 8<<20) // a 32 MiB window
+		all = append(all, r)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		mu.Lock()
+		n := inflight
+		mu.Unlock()
+		if n == maxPushes {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d pieces in flight after 10 s, want %d", n, maxPushes)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond) // room for one too many to show
+	close(release)
+	for _, r := range all {
+		settle(t, r)
+	}
+	if most != maxPushes {
+		t.Fatalf("%d pieces were in flight at once across handles, want at most %d", most, maxPushes)
+	}
+}
