@@ -465,10 +465,10 @@ func newHotCache(m *backing.Model, mountpoint, size string, srv cache.Recharger,
 	if err != nil {
 		return nil, usagef("--cache-size %q: %v", size, err)
 	}
-	warnCacheSize(capacity, log)
 	if capacity, err = fitTierToMemcg(capacity, st, log); err != nil {
 		return nil, err
 	}
+	warnCacheSize(capacity, log) // the budget in force, once fitted
 	abs, err := filepath.Abs(mountpoint)
 	if err != nil {
 		return nil, err
