@@ -474,6 +474,10 @@ func (h *HotCache) pinRun(run []PageKey) bool {
 				}
 			}
 			h.tier.Remove(k)
+			if errors.Is(err, ErrChargedElsewhere) {
+				h.st.CachePinForeign.Add(1) // a reader's to reclaim: no failure
+				continue
+			}
 			h.logFailure("pin failed; page removed from the hot tier", err)
 		}
 	}
@@ -493,6 +497,7 @@ func (h *HotCache) stopping() bool {
 // publishUsed sets cache_used_bytes from the pinner's count of locked pages.
 func (h *HotCache) publishUsed() {
 	h.st.CacheUsedBytes.Store(h.pinner.PinnedPages() * PageSize)
+	h.st.CachePagesRecharged.Store(h.pinner.Recharged())
 }
 
 func (h *HotCache) logFailure(msg string, err error) {

@@ -74,6 +74,12 @@ type TableFile struct {
 //     count (PinnedPages, the bitmap) is what is pinned; lockedBytes is only
 //     a lower bound of what this process already holds against
 //     RLIMIT_MEMLOCK.
+//   - A page is charged to the memory cgroup of the process whose access
+//     brought it into the page cache, and locking it does not move the
+//     charge: a reader's fault pinned as it is would be memory the
+//     reader's cgroup cannot reclaim. With a Recharger the pinner stores
+//     such a page again from the daemon before recording it pinned
+//     (charge.go).
 //   - A mapping of a file on the mount keeps the mount busy: Close before
 //     unmounting.
 //
@@ -119,6 +125,8 @@ type Pinner struct {
 	popMu  sync.Mutex
 	popRun [3]uint64   // GUARDED_BY(popMu); table, first, end of the run being populated
 	popOn  atomic.Bool // a run is being populated
+
+	charge charges // whose memory cgroup pays for a pin (charge.go)
 }
 
 // NewPinner pins pages of files; PageKey.Table indexes files. It maps
@@ -221,6 +229,10 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 			break
 		}
 	}
+	var foreign []uint64 // pages left charged to a reader's cgroup (charge.go)
+	if err == nil {
+		foreign, err = p.ownCharge(table, first, r)
+	}
 	p.popOn.Store(false)
 	if err != nil {
 		// Whatever did get mapped (the run's pages up to the failure and
@@ -236,6 +248,13 @@ func (p *Pinner) PinRun(table uint32, first, n uint64) error {
 			return ErrPinUnavailable
 		}
 		return wrapRun("pin", table, first, n, fmt.Errorf("populate: %w", err))
+	}
+	if len(foreign) > 0 {
+		if !p.setPinnedExcept(table, first, n, foreign) {
+			return ErrPinUnavailable // as below
+		}
+		p.trimFaultAround(table, first, n)
+		return wrapRun("pin", table, first, n, fmt.Errorf("%d of its pages: %w", len(foreign), ErrChargedElsewhere))
 	}
 	if !p.setPinned(table, first, n, true) {
 		// disable ran during the populate: it unlocked the mapping and
@@ -606,6 +625,7 @@ func (p *Pinner) Close() error {
 	if p.pagemap != nil {
 		_ = p.pagemap.Close()
 	}
+	p.closeCharges()
 	if p.exactFD >= 0 { // after the munmaps: closing it unregisters them
 		_ = unix.Close(p.exactFD)
 		p.exactFD = -1
@@ -623,33 +643,9 @@ const readThroughChunk = 256 << 10
 // p.inflight.Done.
 // LOCKS_EXCLUDED(p.mu)
 func (p *Pinner) readThrough(table uint32, off int64, n int) error {
-	p.mu.Lock()
-	if p.readers == nil {
-		p.readers = make([]*os.File, len(p.files))
-	}
-	f := p.readers[table]
-	p.mu.Unlock()
-	if f == nil {
-		// Open outside the lock: it goes through our own FUSE handlers when
-		// the file is on the mount.
-		nf, err := os.Open(p.files[table].Path)
-		if err != nil {
-			return fmt.Errorf("read through: %w", err)
-		}
-		// Read only the run: without FADV_RANDOM the kernel reads ahead
-		// around it, into large folios that the populate then maps and
-		// the trim must split again.
-		if err := unix.Fadvise(int(nf.Fd()), 0, 0, unix.FADV_RANDOM); err != nil {
-			_ = nf.Close()
-			return fmt.Errorf("read through: fadvise %s: %w", p.files[table].Path, err)
-		}
-		p.mu.Lock()
-		if f = p.readers[table]; f == nil {
-			p.readers[table], f = nf, nf
-		} else {
-			_ = nf.Close()
-		}
-		p.mu.Unlock()
+	f, err := p.reader(table)
+	if err != nil {
+		return err
 	}
 	bp, _ := p.readBuf.Get().(*[]byte)
 	if bp == nil {
@@ -666,6 +662,40 @@ func (p *Pinner) readThrough(table uint32, off int64, n int) error {
 		off, n = off+int64(c), n-c
 	}
 	return nil
+}
+
+// reader is table's descriptor for readThrough, opened on first use.
+// LOCKS_EXCLUDED(p.mu)
+func (p *Pinner) reader(table uint32) (*os.File, error) {
+	p.mu.Lock()
+	if p.readers == nil {
+		p.readers = make([]*os.File, len(p.files))
+	}
+	f := p.readers[table]
+	p.mu.Unlock()
+	if f == nil {
+		// Open outside the lock: it goes through our own FUSE handlers when
+		// the file is on the mount.
+		nf, err := os.Open(p.files[table].Path)
+		if err != nil {
+			return nil, fmt.Errorf("read through: %w", err)
+		}
+		// Read only the run: without FADV_RANDOM the kernel reads ahead
+		// around it, into large folios that the populate then maps and
+		// the trim must split again.
+		if err := unix.Fadvise(int(nf.Fd()), 0, 0, unix.FADV_RANDOM); err != nil {
+			_ = nf.Close()
+			return nil, fmt.Errorf("read through: fadvise %s: %w", p.files[table].Path, err)
+		}
+		p.mu.Lock()
+		if f = p.readers[table]; f == nil {
+			p.readers[table], f = nf, nf
+		} else {
+			_ = nf.Close()
+		}
+		p.mu.Unlock()
+	}
+	return f, nil
 }
 
 // run returns the bytes of pages [first, first+n) of table in the pinner's

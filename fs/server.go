@@ -497,6 +497,27 @@ func (s *Server) Store(id uint32, off int64, data []byte) error {
 	return nil
 }
 
+// Invalidate drops n bytes of table id from off from the page cache and
+// from every process's mapping of them (NOTIFY_INVAL_INODE): the next
+// access finds what a Store put there, or reads the pages again. With Store
+// it implements cache.Recharger; like Store, never call it from a Read
+// handler (it waits for the folio lock of a page being read). Before Serve,
+// and after Close, it returns ErrNotServing.
+func (s *Server) Invalidate(id uint32, off, n int64) error {
+	if s.live.Load() == nil {
+		return ErrNotServing
+	}
+	if int(id) >= len(s.root.tables) {
+		return fmt.Errorf("table %d: no such table", id)
+	}
+	if errno := s.root.tables[id].EmbeddedInode().NotifyContent(off, n); errno != 0 {
+		return fmt.Errorf("table %d: page cache invalidation at %d (+%d): %w", id, off, n, errno)
+	}
+	return nil
+}
+
+var _ cache.Recharger = (*Server)(nil)
+
 // Confirm reads one byte at off of table id through the page cache: when
 // it returns, the page is resident (a read the kernel still has in flight
 // for it is waited for, an evicted page is faulted in again). It implements

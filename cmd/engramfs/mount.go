@@ -70,7 +70,7 @@ func (f *mountFlags) register(fl interface {
 	fl.StringVar(&f.fuseTrans, "fuse-transport", string(uring.Dev),
 		"how FUSE requests reach the daemon: dev (/dev/fuse), uring (per-CPU io_uring queues; needs Linux 6.14+ with the fuse module's enable_uring=Y; faster faults, slower WILLNEED bursts: see docs/design.md), or auto (uring where the kernel offers it and every queue registers, else dev; the choice is logged and shown as fuse_transport in stats)")
 	fl.StringVar(&f.cacheSize, "cache-size", "1GiB",
-		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off")
+		"budget of the pinned hot tier (pages mlock'd in the page cache), e.g. 512MiB, 4G; 0 turns it off; in a memory cgroup it is lowered to fit the cgroup's limit with headroom")
 	fl.IntVar(&f.prefillQueue, "prefetch-queue", prefetch.DefaultPrefillQueuePages,
 		"prefill pages queued at most; past it the oldest prefill hints are dropped (decode hints are never dropped)")
 	fl.IntVar(&f.decodeQueue, "decode-queue", prefetch.DefaultDecodeQueuePages,
@@ -403,9 +403,6 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		log.Warn("injecting backing faults (testing only)", zap.String("faults", spec.String()))
 	}
 	loader := cache.NewLoader(src, model.Tables, st)
-	if d.hot, err = newHotCache(model, mountpoint, mf.cacheSize, st, log); err != nil {
-		return nil, err
-	}
 	transport, err := uring.ParseMode(mf.fuseTrans)
 	if err != nil {
 		return nil, usageError{Err: fmt.Errorf("--fuse-transport: %w", err)}
@@ -416,6 +413,9 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		NoPassthrough: !mf.passthrough,
 		Transport:     uring.New(transport, st, log),
 	}); err != nil {
+		return nil, err
+	}
+	if d.hot, err = newHotCache(model, mountpoint, mf.cacheSize, d.srv, st, log); err != nil {
 		return nil, err
 	}
 	pcfg := prefetch.DefaultConfig(mf.queueDepth)
@@ -611,13 +611,18 @@ func (d *daemon) stop(unmount bool) error {
 }
 
 // newHotCache builds the pinned hot tier over the daemon's own view of the
-// table files (through the mount, mapped lazily once it is live).
-func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
+// table files (through the mount, mapped lazily once it is live), fitted to
+// the daemon's memory cgroup; srv stores again the pages a reader's fault
+// charged to the reader's cgroup before they are pinned (cache/charge.go).
+func newHotCache(m *backing.Model, mountpoint, size string, srv cache.Recharger, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
 	capacity, err := parseSize(size)
 	if err != nil {
 		return nil, usagef("--cache-size %q: %v", size, err)
 	}
-	warnCacheSize(capacity, log)
+	if capacity, err = fitTierToMemcg(capacity, st, log); err != nil {
+		return nil, err
+	}
+	warnCacheSize(capacity, log) // the budget in force, once fitted
 	abs, err := filepath.Abs(mountpoint)
 	if err != nil {
 		return nil, err
@@ -626,7 +631,9 @@ func newHotCache(m *backing.Model, mountpoint, size string, st *stats.Counters, 
 	for i, t := range m.Tables {
 		files[i] = cache.TableFile{Path: filepath.Join(abs, t.Path()), Size: t.FileSize}
 	}
-	return cache.NewHotCache(capacity, cache.NewPinner(files, log), st, log), nil
+	p := cache.NewPinner(files, log)
+	p.SetRecharger(srv)
+	return cache.NewHotCache(capacity, p, st, log), nil
 }
 
 // spareProcs gives the Go scheduler two Ps more than the CPUs, once the

@@ -59,6 +59,12 @@ type Counters struct {
 	CachePinned        atomic.Bool
 	CachePinDropped    atomic.Uint64
 
+	// Memory cgroups (cmd/engramfs limits, cache charge).
+	MemcgLimitBytes     atomic.Int64 // the daemon's own group's limit, read at start
+	CacheRequestedBytes atomic.Int64 // --cache-size, before fitting it to that limit
+	CachePagesRecharged atomic.Uint64
+	CachePinForeign     atomic.Uint64
+
 	// Hints (fs).
 	HintFrames   atomic.Uint64
 	HintRows     atomic.Uint64
@@ -192,6 +198,11 @@ type Snapshot struct {
 	CacheMode          string `json:"cache_mode"`
 	CachePinDropped    uint64 `json:"cache_pin_dropped"`
 
+	MemcgLimitBytes     int64  `json:"memcg_limit_bytes"`
+	CacheRequestedBytes int64  `json:"cache_requested_bytes"`
+	CachePagesRecharged uint64 `json:"cache_pages_recharged"`
+	CachePinForeign     uint64 `json:"cache_pin_foreign"`
+
 	HintFrames   uint64 `json:"hint_frames"`
 	HintRows     uint64 `json:"hint_rows"`
 	HintRejected uint64 `json:"hint_rejected"`
@@ -265,6 +276,11 @@ func (c *Counters) Snapshot() Snapshot {
 		CachePinned:        c.CachePinned.Load(),
 		CacheMode:          cacheMode(c.CachePinned.Load()),
 		CachePinDropped:    c.CachePinDropped.Load(),
+
+		MemcgLimitBytes:     c.MemcgLimitBytes.Load(),
+		CacheRequestedBytes: c.CacheRequestedBytes.Load(),
+		CachePagesRecharged: c.CachePagesRecharged.Load(),
+		CachePinForeign:     c.CachePinForeign.Load(),
 
 		HintFrames:   c.HintFrames.Load(),
 		HintRows:     c.HintRows.Load(),
