@@ -416,7 +416,10 @@ func TestRestartRightAfterSIGTERM(t *testing.T) {
 	cleanupMount(t, mp)
 	table := filepath.Join(mp, "layers", "0", "weight.safetensors")
 	for i := range 4 {
-		old := MountAt(t, model, mp)
+		// --stop-wait 0: since the handover work a SIGTERM waits up to
+		// --stop-wait for mappings to go; this test needs the old
+		// behaviour (stop at once, detach lazily) to hit issue 24's race.
+		old := MountAt(t, model, mp, "--stop-wait", "0")
 		f, err := os.Open(table)
 		if err != nil {
 			t.Fatal(err)
