@@ -251,22 +251,7 @@ func runReader(t testing.TB, g *memcg.Group, path string, pages int) (string, er
 		cmd.Path = cmd.Args[0]
 	}
 	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s %d", readerEnv, path, pages))
-	var out syncBuffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	select {
-	case err := <-exited:
-		return out.String(), err
-	case <-time.After(5 * time.Minute):
-		_ = cmd.Process.Kill()
-		<-exited
-		t.Fatalf("the reader did not fault %d pages in 5 minutes\n%s", pages, out.String())
-		return "", nil
-	}
+	return runWithin(t, cmd, 5*time.Minute, fmt.Sprintf("the reader did not fault %d pages in 5 minutes", pages))
 }
 
 // BenchmarkMemcgPinCost is the daemon's CPU per page a reader faults and

@@ -42,7 +42,14 @@ func unmountCmd(t *testing.T, args ...string) (string, error) {
 // does not return within a minute.
 func runBounded(t *testing.T, argv []string) (string, error) {
 	t.Helper()
-	cmd := exec.Command(argv[0], argv[1:]...)
+	return runWithin(t, exec.Command(argv[0], argv[1:]...), time.Minute, fmt.Sprintf("%q did not return within a minute", argv))
+}
+
+// runWithin runs cmd with its output collected and returns the output and
+// how it exited; past limit it kills cmd and fails t with late and the
+// output so far.
+func runWithin(t testing.TB, cmd *exec.Cmd, limit time.Duration, late string) (string, error) {
+	t.Helper()
 	var out syncBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Start(); err != nil {
@@ -53,10 +60,10 @@ func runBounded(t *testing.T, argv []string) (string, error) {
 	select {
 	case err := <-done:
 		return out.String(), err
-	case <-time.After(time.Minute):
+	case <-time.After(limit):
 		_ = cmd.Process.Kill()
 		<-done
-		t.Fatalf("%q did not return within a minute:\n%s", argv, out.String())
+		t.Fatalf("%s:\n%s", late, out.String())
 		return "", nil
 	}
 }
