@@ -28,11 +28,14 @@ package fs
 //     blocking mode is its own.
 //
 // go-fuse (v2.12.1) has no API for any of this, but its documented
-// "/dev/fd/N" mountpoint serves a descriptor it did not mount; its INIT
-// handshake then reads the first request, which for an initialised
-// connection is an ordinary one, and serves it as such (the negotiated
-// settings it misses only size RENAME and SETXATTR, which a read-only tree
-// refuses anyway). Every daemon mounts itself (mountDev) so it holds the
+// "/dev/fd/N" mountpoint serves a descriptor it did not mount. Its INIT
+// handshake reads and answers the first request inside NewServer, before
+// the server exists: on a live connection that would be a reader's, and a
+// hint write or barrier waiting on pushes would never be answered (the
+// stall found on 2026-12-03). So it is fed a STATFS of our own through a
+// socket whose descriptor number the connection then takes (serveDev);
+// the negotiated settings it misses only size RENAME and SETXATTR, which
+// a read-only tree refuses anyway. Every daemon mounts itself (mountDev) so it holds the
 // descriptor it may have to hand over.
 
 import (
@@ -47,6 +50,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -131,7 +135,7 @@ func (s *Server) mountDev(mountpoint string, o *fuse.MountOptions) (*fuse.Server
 		unix.Close(fd)
 		return nil, err
 	}
-	srv, err := s.serveDev(fd)
+	srv, err := s.serveDev(fd, false)
 	if err != nil {
 		if uerr := unix.Unmount(mountpoint, unix.MNT_DETACH); uerr != nil {
 			s.log.Error("unmounting a mount that failed to start", zap.String("mountpoint", mountpoint), zap.Error(uerr))
@@ -142,23 +146,73 @@ func (s *Server) mountDev(mountpoint string, o *fuse.MountOptions) (*fuse.Server
 }
 
 // serveDev builds a go-fuse server on fd (it takes fd over) and keeps a
-// duplicate in s.dev. go-fuse reads its first request in NewServer: a new
-// mount's INIT, or any request of a live one. Holding s.mu.
-func (s *Server) serveDev(fd int) (*fuse.Server, error) {
+// duplicate in s.dev. go-fuse reads its first request in NewServer and
+// answers it before the server exists (and before the tree can write
+// anything to the kernel): a new mount's INIT. On a live connection
+// (live: a takeover or a resume) that request would be any reader's, and
+// one that waits on the daemon (a hint write waiting for room, a barrier
+// waiting for pushes) would wait forever, NewServer never returning: so
+// go-fuse is handed a socket holding a STATFS of our own first, and the
+// connection takes the socket's descriptor number once NewServer has
+// returned, before Serve reads again. Holding s.mu.
+func (s *Server) serveDev(fd int, live bool) (*fuse.Server, error) {
 	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		unix.Close(fd)
 		return nil, err
 	}
+	goFuseFd, feed := fd, -1
+	if live {
+		if goFuseFd, feed, err = firstRequestSocket(); err != nil {
+			unix.Close(fd)
+			unix.Close(dup)
+			return nil, err
+		}
+		defer unix.Close(feed)
+	}
 	o := s.opts.MountOptions
 	o.DirectMount, o.DirectMountStrict = false, false
-	srv, err := fuse.NewServer(s.rawFS, "/dev/fd/"+strconv.Itoa(fd), &o)
+	srv, err := fuse.NewServer(s.rawFS, "/dev/fd/"+strconv.Itoa(goFuseFd), &o)
+	if err == nil && live {
+		// go-fuse reads through the descriptor number it was given:
+		// make it the connection's (it reads nothing until Serve).
+		err = unix.Dup3(fd, goFuseFd, unix.O_CLOEXEC)
+	}
+	if live {
+		unix.Close(fd)
+	}
 	if err != nil {
+		if live && srv == nil {
+			unix.Close(goFuseFd)
+		}
 		unix.Close(dup)
 		return nil, err
 	}
 	s.dev = os.NewFile(uintptr(dup), "/dev/fuse")
 	return srv, nil
+}
+
+// firstRequestSocket is a connected pair of packet sockets, the first
+// (go-fuse's until the swap) with a FUSE STATFS of the root waiting on it.
+func firstRequestSocket() (goFuse, feed int, err error) {
+	sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return -1, -1, fmt.Errorf("first request socket: %w", err)
+	}
+	const opStatfs = 17 // FUSE_STATFS
+	var hdr fuse.InHeader
+	hdr.Length = uint32(unsafe.Sizeof(hdr))
+	hdr.Opcode = opStatfs
+	hdr.Unique = 1
+	hdr.NodeId = fuse.FUSE_ROOT_ID
+	hdr.Pid = uint32(os.Getpid())
+	b := unsafe.Slice((*byte)(unsafe.Pointer(&hdr)), unsafe.Sizeof(hdr))
+	if _, err := unix.Write(sp[1], b); err != nil {
+		unix.Close(sp[0])
+		unix.Close(sp[1])
+		return -1, -1, fmt.Errorf("first request socket: %w", err)
+	}
+	return sp[0], sp[1], nil
 }
 
 // pollHack has the kernel learn that the mount answers no POLL: go-fuse's
@@ -232,8 +286,7 @@ func (s *Server) Resume() error {
 	if err != nil {
 		return fmt.Errorf("resume %s: %w", mp, err)
 	}
-	go func() { var st unix.Statfs_t; _ = unix.Statfs(mp, &st) }()
-	srv, err := s.serveDev(fd)
+	srv, err := s.serveDev(fd, true)
 	if err != nil {
 		return fmt.Errorf("resume %s: %w", mp, err)
 	}
@@ -343,12 +396,10 @@ func (s *Server) TakeOver(mountpoint string, handover func() (*os.File, Session,
 		// Handles not replayed answer EBADF; clients reopen.
 		s.log.Warn("take over: open handles not carried over", zap.Error(err))
 	}
-	// Pushes wait for ready: go-fuse serves a request (in NewServer)
-	// before it can write anything else to the kernel.
+	// Pushes wait for ready: go-fuse can write nothing else to the
+	// kernel before NewServer returns.
 	s.live.Store(live)
-	// go-fuse reads the first request in NewServer: make sure there is one.
-	go func() { var st unix.Statfs_t; _ = unix.Statfs(mountpoint, &st) }()
-	srv, err := s.serveDev(fd)
+	srv, err := s.serveDev(fd, true)
 	if err != nil {
 		s.live.Store(nil)
 		live.close()
@@ -472,7 +523,12 @@ func (s *Server) replayHandles(sess Session) error {
 		if !ok {
 			h = Handle{Fh: fh, Node: placeholder}
 		}
-		in := &fuse.OpenIn{InHeader: fuse.InHeader{NodeId: h.Node, Caller: s.caller()}, Flags: uint32(os.O_RDONLY)}
+		// Opened for the kernel's reader, not as one of the daemon's own
+		// opens (ownOpen): a table handle the reader holds has a handle of
+		// its own (its readahead), where the daemon's opens have none.
+		caller := s.caller()
+		caller.Pid = 0
+		in := &fuse.OpenIn{InHeader: fuse.InHeader{NodeId: h.Node, Caller: caller}, Flags: uint32(os.O_RDONLY)}
 		if h.Node == s.controlNode() {
 			in.Flags = uint32(os.O_RDWR)
 		}
