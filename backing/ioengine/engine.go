@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 )
 
 // Req is one read: len(Buf) bytes at Off of Fd.
@@ -20,7 +21,24 @@ type Req struct {
 	// Demand: a reader waits for it (a fault, a decode hint). Queued demand
 	// reads take free slots before queued reads that are not.
 	Demand bool
+	// Epoch is set by the engine before it calls Done: an Observe taken
+	// once the read had completed (Epoch).
+	Epoch uint64
 }
+
+// epochs counts the completions engines observed (one per reaped batch
+// of the io_uring engine).
+var epochs atomic.Uint64
+
+// Observe is a new completion epoch: every read whose completion was seen
+// before the call is of this epoch or an earlier one.
+func Observe() uint64 { return epochs.Add(1) }
+
+// Epoch is the latest epoch: every read of it or of an earlier one had
+// completed when it was taken. A check that starts after Epoch returned
+// comes after all of those reads (backing's shard identity check runs once
+// for a whole batch of completions this way).
+func Epoch() uint64 { return epochs.Load() }
 
 // ErrClosed completes requests submitted to, or still queued in, a closed engine.
 var ErrClosed = errors.New("ioengine: engine closed")
@@ -169,6 +187,7 @@ func checkReqs(reqs []*Req) {
 
 func failAll(reqs []*Req, err error) {
 	for _, r := range reqs {
+		r.Epoch = Observe()
 		r.Done(0, err)
 	}
 }

@@ -83,6 +83,7 @@ func (e *preadEngine) worker() {
 		e.mu.Unlock()
 		n, err := e.readFull(r)
 		e.reads.Add(1)
+		r.Epoch = Observe()
 		r.Done(n, err)
 		e.mu.Lock()
 	}

@@ -362,8 +362,10 @@ func (e *uringEngine) reaper() {
 		}
 
 		// Done runs without mu: it may call Submit.
+		epoch := Observe()
 		for i := range done {
 			e.reads.Add(1)
+			done[i].req.Epoch = epoch
 			done[i].req.Done(done[i].n, done[i].err)
 			done[i] = finished{}
 		}
