@@ -205,7 +205,15 @@ func (h *HotCache) Pinned(k PageKey) bool {
 // ResidentRun reports, in bit 0 of vec[i], whether page first+i of table is
 // in the page cache, for i < n; false when it cannot tell (Pinner.ResidentRun).
 func (h *HotCache) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
-	return h.pinner != nil && h.pinner.ResidentRun(table, first, n, vec)
+	if h.pinner == nil {
+		return false
+	}
+	ok, skipped := h.pinner.residentRun(table, first, n, vec)
+	h.st.PrefetchResidencyLookups.Add(1)
+	if skipped {
+		h.st.PrefetchResidencySkipped.Add(1)
+	}
+	return ok
 }
 
 // OwnFault reports whether a FUSE read of page k is the hot tier's own

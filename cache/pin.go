@@ -102,6 +102,8 @@ type Pinner struct {
 	// way (run), and closed when it is done. GUARDED_BY(mu)
 	mapping []chan struct{}
 
+	seen *Seen // nil: every page may be cached (SetSeen)
+
 	pagemapOnce sync.Once
 	pagemap     *os.File      // /proc/self/pagemap; nil if it cannot be read
 	trims       atomic.Uint64 // trimFaultAround calls, for its audits
@@ -580,15 +582,28 @@ func (p *Pinner) Resident(k PageKey) bool {
 // nothing, when it cannot tell: pinning is unavailable, the pinner is
 // closed, or the run is past the file's end.
 func (p *Pinner) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
+	ok, _ := p.residentRun(table, first, n, vec)
+	return ok
+}
+
+// residentRun is ResidentRun, and whether Seen answered it without a
+// system call.
+func (p *Pinner) residentRun(table uint32, first, n uint64, vec []byte) (ok, skipped bool) {
 	if !p.Available() {
-		return false // no mapping to ask, and making one would fail again
+		return false, false // no mapping to ask, and making one would fail again
+	}
+	if !p.seen.Any(table, first, n) {
+		// Never served nor stored: not cached, and no system call to
+		// say so.
+		clear(vec[:n])
+		return true, true
 	}
 	r, err := p.run(table, first, n, true)
 	if err != nil || r == nil {
-		return false
+		return false, false
 	}
 	defer p.inflight.Done()
-	return uint64(pagecache.Pages(len(r))) == n && pagecache.Mincore(r, vec) == nil
+	return uint64(pagecache.Pages(len(r))) == n && pagecache.Mincore(r, vec) == nil, false
 }
 
 // Close munlocks and munmaps every mapping, after waiting for calls in

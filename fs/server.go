@@ -58,6 +58,10 @@ type Options struct {
 	// NoPassthrough serves the model directory's other files through the
 	// daemon even where FUSE passthrough works (modelfiles.go).
 	NoPassthrough bool
+	// Seen, if set, records the table pages the daemon puts in the page
+	// cache (served or stored), so residency lookups can skip the others
+	// (cache.Seen).
+	Seen *cache.Seen
 	// Transport, if set, serves requests beside go-fuse's /dev/fuse server
 	// (fs/uring); nil serves everything from /dev/fuse.
 	Transport Transport
@@ -489,7 +493,7 @@ func (s *Server) Store(id uint32, off int64, data []byte) error {
 	if int(id) >= len(s.root.tables) {
 		return fmt.Errorf("table %d: no such table", id)
 	}
-	if errno := s.root.tables[id].EmbeddedInode().WriteCache(off, data); errno != 0 {
+	if errno := s.root.tables[id].writeCache(off, data); errno != 0 {
 		// ENOENT would mean the kernel forgot the inode, which the open
 		// table files prevent.
 		return fmt.Errorf("table %d: page cache store at %d: %w", id, off, errno)

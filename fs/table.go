@@ -29,7 +29,15 @@ type tableFile struct {
 	loader *cache.Loader
 	st     *stats.Counters
 	faults FaultSink   // may be nil
+	seen   *cache.Seen // may be nil: the pages this daemon put in the page cache
 	log    *zap.Logger // sampled: Read is a hot path
+}
+
+// writeCache stores data at off into the file's page cache (NOTIFY_STORE),
+// recording the pages as seen first.
+func (f *tableFile) writeCache(off int64, data []byte) syscall.Errno {
+	f.seen.Mark(f.t.ID, uint64(off)/cache.PageSize, (uint64(len(data))+cache.PageSize-1)/cache.PageSize)
+	return f.EmbeddedInode().WriteCache(off, data)
 }
 
 var (
@@ -48,7 +56,7 @@ func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 	var h gofs.FileHandle
 	if !ownOpen(ctx) {
 		h = &tableHandle{readAhead{size: f.t.FileSize, trigger: 2*f.t.RowBytes + cache.PageSize,
-			fill: f.fill, store: f.EmbeddedInode().WriteCache}}
+			fill: f.fill, store: f.writeCache}}
 	}
 	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
 }
@@ -88,6 +96,7 @@ func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, o
 	}
 	first := uint64(max(off, hdrLen)) / cache.PageSize
 	last := uint64(end-1) / cache.PageSize
+	f.seen.Mark(t.ID, first, last-first+1)
 	pages, err := f.loader.Load(t.ID, first, last-first+1, cache.OriginFault)
 	if err != nil {
 		f.log.Error("read failed", zap.String("table", t.Name), zap.Int64("offset", off), zap.Int("bytes", len(dest)), zap.Error(err))

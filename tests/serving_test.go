@@ -74,6 +74,70 @@ func TestDecodeHintOfRowsAnotherProcessFaultedReadsNothing(t *testing.T) {
 	})
 }
 
+// A hint's residency lookup asks the kernel (mincore) only for pages the
+// daemon ever served or stored: for a page never brought in, the answer is
+// known without a system call (cache.Seen), and the page is fetched all the
+// same. Pages another process faulted in are looked up, found, and not read.
+func TestHintLooksUpOnlyPagesItEverServed(t *testing.T) {
+	spec := geometries()["4096B"]
+	d := Mount(t, Synth(t, spec), "--cache-size", "0")
+	m := Model(t, d.ModelDir)
+	maps := layerMaps(t, d, m, 0)
+	rng := rand.New(rand.NewPCG(51, 52))
+	all := randomRows(rng, 80, spec.Rows)
+	cold, faulted := all[:40], all[40:]
+	h, err := client.Open(d.Mountpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+
+	before := d.Stats(t)
+	if err := h.Decode(0, cold); err != nil {
+		t.Fatal(err)
+	}
+	st, err := h.Barrier()
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := d.Stats(t)
+	lookups := after.PrefetchResidencyLookups - before.PrefetchResidencyLookups
+	skipped := after.PrefetchResidencySkipped - before.PrefetchResidencySkipped
+	if lookups == 0 || skipped != lookups {
+		t.Errorf("a hint of %d pages never served: %d residency lookups, %d answered without mincore; want all of them", st.Pages, lookups, skipped)
+	}
+	if st.Failed != 0 || st.Cached != 0 || st.Resident != st.Pages || after.BackingReads == before.BackingReads {
+		t.Errorf("pages never served must be fetched: status %+v, %d backing reads", st, after.BackingReads-before.BackingReads)
+	}
+	if err := allResident(t, maps, cold); err != nil {
+		t.Errorf("after the barrier: %v", err)
+	}
+
+	untilNoOutsideDrop(t, "hint of rows another process faulted in", func() error {
+		faultInFromAnotherProcess(t, d, m, 0, faulted)
+		if err := allResident(t, maps, faulted); err != nil {
+			return err
+		}
+		before := d.Stats(t)
+		if err := h.Decode(0, faulted); err != nil {
+			t.Fatal(err)
+		}
+		st, err := h.Barrier()
+		if err != nil {
+			t.Fatal(err)
+		}
+		after := d.Stats(t)
+		lookups := after.PrefetchResidencyLookups - before.PrefetchResidencyLookups
+		skipped := after.PrefetchResidencySkipped - before.PrefetchResidencySkipped
+		reads := after.BackingReads - before.BackingReads
+		if lookups == 0 || skipped != 0 || reads != 0 || st.Cached != st.Pages {
+			return fmt.Errorf("a hint of %d pages another process faulted in: %d lookups, %d without mincore, %d backing reads, status %+v; want some, 0, 0, all cached",
+				st.Pages, lookups, skipped, reads, st)
+		}
+		return nil
+	})
+}
+
 // A page a hint pushed that the page cache lets go before its reader comes
 // is read again by the reader's fault, and the daemon counts it
 // (prefetch_pushed_evicted): the thrash a prefill larger than memory

@@ -407,15 +407,25 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	if err != nil {
 		return nil, usageError{Err: fmt.Errorf("--fuse-transport: %w", err)}
 	}
+	// The pages this daemon puts in the page cache: the residency lookups
+	// of hints skip the others. A successor did not see its predecessor's.
+	pages := make([]uint64, len(model.Tables))
+	for i, t := range model.Tables {
+		pages[i] = t.Pages()
+	}
+	seen := cache.NewSeen(pages)
+	if mf.takeover || os.Getenv("LISTEN_FDS") != "" {
+		seen.SetUnknown()
+	}
 	if d.srv, err = fs.New(fs.Options{
-		Model: model, Loader: loader, Stats: st, Log: log,
+		Model: model, Loader: loader, Stats: st, Log: log, Seen: seen,
 		AllowOther: mf.allowOther, Debug: mf.debugFUSE, ControlHandles: mf.ctlHandles,
 		NoPassthrough: !mf.passthrough,
 		Transport:     uring.New(transport, st, log),
 	}); err != nil {
 		return nil, err
 	}
-	if d.hot, err = newHotCache(model, mountpoint, mf.cacheSize, d.srv, st, log); err != nil {
+	if d.hot, err = newHotCache(model, mountpoint, mf.cacheSize, d.srv, seen, st, log); err != nil {
 		return nil, err
 	}
 	pcfg := prefetch.DefaultConfig(mf.queueDepth)
@@ -614,7 +624,7 @@ func (d *daemon) stop(unmount bool) error {
 // table files (through the mount, mapped lazily once it is live), fitted to
 // the daemon's memory cgroup; srv stores again the pages a reader's fault
 // charged to the reader's cgroup before they are pinned (cache/charge.go).
-func newHotCache(m *backing.Model, mountpoint, size string, srv cache.Recharger, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
+func newHotCache(m *backing.Model, mountpoint, size string, srv cache.Recharger, seen *cache.Seen, st *stats.Counters, log *zap.Logger) (*cache.HotCache, error) {
 	capacity, err := parseSize(size)
 	if err != nil {
 		return nil, usagef("--cache-size %q: %v", size, err)
@@ -633,6 +643,7 @@ func newHotCache(m *backing.Model, mountpoint, size string, srv cache.Recharger,
 	}
 	p := cache.NewPinner(files, log)
 	p.SetRecharger(srv)
+	p.SetSeen(seen)
 	return cache.NewHotCache(capacity, p, st, log), nil
 }
 

@@ -244,6 +244,12 @@ var Fields = []Field{
 	{"prefetch_pages_throttled", Counter, "pages", GroupPrefill, "prefill dropped: the handle's pushes evicted",
 		"Of prefetch_pages_dropped, the prefill pages dropped unfetched because the first page pushed for their handle since its last barrier had left the page cache before that barrier returned, so the handle's prefill work was more than the page cache holds and its reader faults these pages instead (one read each, not a push evicted and a read again).",
 		"prefetch_pages_throttled_total"},
+	{"prefetch_residency_lookups", Counter, "lookups", GroupPrefill, "residency lookups of hinted pages",
+		"Residency lookups of hinted pages not pinned (a window of pages close together each): whether they are in the page cache already, so that they are not read and stored again.",
+		"prefetch_residency_lookups_total"},
+	{"prefetch_residency_skipped", Counter, "lookups", GroupPrefill, "of those, answered without a system call",
+		"Of prefetch_residency_lookups, those answered without a mincore call: none of their pages was ever served or stored by this daemon (cache.Seen), so none is cached. A daemon that took a live mount over asks mincore every time.",
+		"prefetch_residency_skipped_total"},
 
 	{"warm_pages_total", Gauge, "pages", GroupWarm, "saved hot pages to fetch again",
 		"Pages of the saved hot set that the warm restart fetches again (0 without a state file).",

@@ -91,6 +91,10 @@ type Counters struct {
 	PrefetchDecodePagesCached atomic.Uint64
 	PrefetchPushedEvicted     atomic.Uint64
 	PrefetchPagesThrottled    atomic.Uint64
+	// Residency lookups of hints (prefetch's skipPresent): the mincore
+	// calls, and those cache.Seen answered without one.
+	PrefetchResidencyLookups atomic.Uint64
+	PrefetchResidencySkipped atomic.Uint64
 
 	// Warm restart (warm).
 	WarmPagesTotal atomic.Uint64
@@ -224,6 +228,8 @@ type Snapshot struct {
 	PrefetchDecodePagesCached uint64 `json:"prefetch_decode_pages_cached"`
 	PrefetchPushedEvicted     uint64 `json:"prefetch_pushed_evicted"`
 	PrefetchPagesThrottled    uint64 `json:"prefetch_pages_throttled"`
+	PrefetchResidencyLookups  uint64 `json:"prefetch_residency_lookups"`
+	PrefetchResidencySkipped  uint64 `json:"prefetch_residency_skipped"`
 
 	WarmPagesTotal uint64 `json:"warm_pages_total"`
 	WarmPagesDone  uint64 `json:"warm_pages_done"`
@@ -303,6 +309,8 @@ func (c *Counters) Snapshot() Snapshot {
 		PrefetchDecodePagesCached: c.PrefetchDecodePagesCached.Load(),
 		PrefetchPushedEvicted:     c.PrefetchPushedEvicted.Load(),
 		PrefetchPagesThrottled:    c.PrefetchPagesThrottled.Load(),
+		PrefetchResidencyLookups:  c.PrefetchResidencyLookups.Load(),
+		PrefetchResidencySkipped:  c.PrefetchResidencySkipped.Load(),
 
 		WarmPagesTotal: c.WarmPagesTotal.Load(),
 		WarmPagesDone:  c.WarmPagesDone.Load(),
