@@ -14,12 +14,14 @@ package fs
 //     same model, so the successor's node 7 is the predecessor's node 7.
 //     A successor registers every node before it reads a request
 //     (registerTree): the kernel never looks up a node it already knows.
-//   - File handles: table files and the manifest have none (Fh 0). The
-//     handles of the stats and control files and of open directories are
-//     listed by sessionFS, handed over, and opened again in the successor
-//     under the same numbers (replayHandles). A handle the successor does
-//     not know (a crash left no list) answers EBADF, never a panic; the
-//     clients reopen on it.
+//   - File handles: the kernel holds this daemon's numbers, never
+//     go-fuse's (sessionFS, session.go: a generation per daemon in the
+//     high half). The handles open are listed, handed over, and opened
+//     again in the successor under the kernel's numbers (replay). A crash
+//     leaves no list: a handle the successor does not know is reopened on
+//     first use (an orphan), or answers EBADF on the control file, never a
+//     panic; the clients reopen on it. A new open never gets an orphan's
+//     number (another generation).
 //   - No request is lost: the predecessor stops reading (its descriptor
 //     turns non-blocking, so its readers leave at the next empty queue),
 //     answers what it read, and only then hands over. What it did not read
@@ -44,10 +46,8 @@ import (
 	"log"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -392,8 +392,8 @@ func (s *Server) TakeOver(mountpoint string, handover func() (*os.File, Session,
 		return fmt.Errorf("take over %s: %w", mountpoint, err)
 	}
 	s.registerTree()
-	if err := s.replayHandles(sess); err != nil {
-		// Handles not replayed answer EBADF; clients reopen.
+	if err := s.rawFS.replay(sess); err != nil {
+		// Reopened on first use instead (an orphan), or EBADF.
 		s.log.Warn("take over: open handles not carried over", zap.Error(err))
 	}
 	// Pushes wait for ready: go-fuse can write nothing else to the
@@ -498,61 +498,22 @@ func nodeID(n *gofs.Inode) uint64 {
 	return n.StableAttr().Ino
 }
 
-// replayHandles opens sess's handles again under their numbers. go-fuse
-// hands out handle numbers in order from 1 while none was released, so
-// opening 1..max in order, on the listed node (a placeholder on the stats
-// file for a number not listed, released at the end), gives each the
-// number it had. Holding s.mu, before any request is read.
-func (s *Server) replayHandles(sess Session) error {
-	if len(sess.Handles) == 0 {
-		return nil
+// reopen is how a successor opens a handle the kernel holds from a
+// predecessor (sessionFS.reopenAs): as the kernel's reader's open, not one
+// of the daemon's own (ownOpen: Pid 0 is no thread of ours), so a table or
+// model file handle gets its readahead as the reader's had; with the
+// daemon's owner, since the kernel let the holder open it. A control
+// handle is reopened when handed over; a crash's orphan of one is not (its
+// hint stream is gone; the clients reopen on EBADF).
+func (s *Server) reopen(node uint64, orphan bool) (fuse.Caller, uint32, bool) {
+	caller := s.caller()
+	caller.Pid = 0
+	if node == s.controlNode() {
+		return caller, uint32(os.O_RDWR), !orphan
 	}
-	want := map[uint64]Handle{}
-	var top uint64
-	for _, h := range sess.Handles {
-		want[h.Fh] = h
-		top = max(top, h.Fh)
-	}
-	if top > 1<<20 {
-		return fmt.Errorf("handle %d: too many to replay", top)
-	}
-	placeholder := s.statsNode()
-	var gaps []uint64
-	for fh := uint64(1); fh <= top; fh++ {
-		h, ok := want[fh]
-		if !ok {
-			h = Handle{Fh: fh, Node: placeholder}
-		}
-		// Opened for the kernel's reader, not as one of the daemon's own
-		// opens (ownOpen): a table handle the reader holds has a handle of
-		// its own (its readahead), where the daemon's opens have none.
-		caller := s.caller()
-		caller.Pid = 0
-		in := &fuse.OpenIn{InHeader: fuse.InHeader{NodeId: h.Node, Caller: caller}, Flags: uint32(os.O_RDONLY)}
-		if h.Node == s.controlNode() {
-			in.Flags = uint32(os.O_RDWR)
-		}
-		var out fuse.OpenOut
-		var st fuse.Status
-		if h.Dir {
-			st = s.rawFS.OpenDir(nil, in, &out)
-		} else {
-			st = s.rawFS.Open(nil, in, &out)
-		}
-		if !st.Ok() || out.Fh != fh {
-			return fmt.Errorf("handle %d (node %d): reopened as %d: %v", fh, h.Node, out.Fh, st)
-		}
-		if !ok {
-			gaps = append(gaps, fh)
-		}
-	}
-	for _, fh := range gaps {
-		s.rawFS.Release(nil, &fuse.ReleaseIn{InHeader: fuse.InHeader{NodeId: placeholder}, Fh: fh})
-	}
-	return nil
+	return caller, uint32(os.O_RDONLY), true
 }
 
-func (s *Server) statsNode() uint64   { return s.controlDirChild(StatsFile) }
 func (s *Server) controlNode() uint64 { return s.controlDirChild(ControlFile) }
 
 func (s *Server) controlDirChild(name string) uint64 {
@@ -564,188 +525,6 @@ func (s *Server) controlDirChild(name string) uint64 {
 		return nodeID(c)
 	}
 	return 0
-}
-
-// sessionFS is the tree's raw file system as go-fuse serves it, with what
-// a handover needs on top: the open handles by number, and every node's
-// lookup count as far as this daemon gave them, so a FORGET of a count
-// given to a predecessor never underflows go-fuse's (a panic there) and a
-// handle this daemon never opened answers EBADF instead of go-fuse's panic.
-type sessionFS struct {
-	fuse.RawFileSystem
-
-	mu      sync.Mutex
-	handles map[uint64]Handle // GUARDED_BY(mu): by Fh
-	lookups map[uint64]uint64 // GUARDED_BY(mu): by node ID
-}
-
-func newSessionFS(inner fuse.RawFileSystem) *sessionFS {
-	return &sessionFS{RawFileSystem: inner, handles: map[uint64]Handle{}, lookups: map[uint64]uint64{}}
-}
-
-func (f *sessionFS) snapshot() Session {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	sess := Session{Handles: make([]Handle, 0, len(f.handles))}
-	for _, h := range f.handles {
-		sess.Handles = append(sess.Handles, h)
-	}
-	slices.SortFunc(sess.Handles, func(a, b Handle) int { return int(a.Fh) - int(b.Fh) })
-	return sess
-}
-
-// known reports whether fh is 0 (none) or a handle this daemon opened.
-func (f *sessionFS) known(fh uint64) bool {
-	if fh == 0 {
-		return true
-	}
-	f.mu.Lock()
-	_, ok := f.handles[fh]
-	f.mu.Unlock()
-	return ok
-}
-
-func (f *sessionFS) opened(node, fh uint64, dir bool) {
-	if fh == 0 {
-		return
-	}
-	f.mu.Lock()
-	f.handles[fh] = Handle{Fh: fh, Node: node, Dir: dir}
-	f.mu.Unlock()
-}
-
-// released forgets fh and reports whether it was ours to release.
-func (f *sessionFS) released(fh uint64) bool {
-	if fh == 0 {
-		return true
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if _, ok := f.handles[fh]; !ok {
-		return false
-	}
-	delete(f.handles, fh)
-	return true
-}
-
-func (f *sessionFS) Lookup(cancel <-chan struct{}, h *fuse.InHeader, name string, out *fuse.EntryOut) fuse.Status {
-	st := f.RawFileSystem.Lookup(cancel, h, name, out)
-	if st.Ok() && out.NodeId != 0 {
-		f.mu.Lock()
-		f.lookups[out.NodeId]++
-		f.mu.Unlock()
-	}
-	return st
-}
-
-func (f *sessionFS) Forget(node, nlookup uint64) {
-	f.mu.Lock()
-	n := min(nlookup, f.lookups[node])
-	if f.lookups[node] -= n; f.lookups[node] == 0 {
-		delete(f.lookups, node)
-	}
-	f.mu.Unlock()
-	if n > 0 {
-		f.RawFileSystem.Forget(node, n)
-	}
-}
-
-func (f *sessionFS) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	st := f.RawFileSystem.Open(cancel, in, out)
-	if st.Ok() {
-		f.opened(in.NodeId, out.Fh, false)
-	}
-	return st
-}
-
-func (f *sessionFS) OpenDir(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	st := f.RawFileSystem.OpenDir(cancel, in, out)
-	if st.Ok() {
-		f.opened(in.NodeId, out.Fh, true)
-	}
-	return st
-}
-
-func (f *sessionFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
-	if f.released(in.Fh) {
-		f.RawFileSystem.Release(cancel, in)
-	}
-}
-
-func (f *sessionFS) ReleaseDir(in *fuse.ReleaseIn) {
-	if f.released(in.Fh) {
-		f.RawFileSystem.ReleaseDir(in)
-	}
-}
-
-func (f *sessionFS) Read(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
-	if !f.known(in.Fh) {
-		return nil, fuse.EBADF
-	}
-	return f.RawFileSystem.Read(cancel, in, buf)
-}
-
-func (f *sessionFS) Write(cancel <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
-	if !f.known(in.Fh) {
-		return 0, fuse.EBADF
-	}
-	return f.RawFileSystem.Write(cancel, in, data)
-}
-
-func (f *sessionFS) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
-	if !f.known(in.Fh) {
-		return 0, fuse.EBADF
-	}
-	return f.RawFileSystem.Writev(cancel, in, data)
-}
-
-func (f *sessionFS) Flush(cancel <-chan struct{}, in *fuse.FlushIn) fuse.Status {
-	if !f.known(in.Fh) {
-		return fuse.EBADF
-	}
-	return f.RawFileSystem.Flush(cancel, in)
-}
-
-func (f *sessionFS) Fsync(cancel <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
-	if !f.known(in.Fh) {
-		return fuse.EBADF
-	}
-	return f.RawFileSystem.Fsync(cancel, in)
-}
-
-func (f *sessionFS) Lseek(cancel <-chan struct{}, in *fuse.LseekIn, out *fuse.LseekOut) fuse.Status {
-	if !f.known(in.Fh) {
-		return fuse.EBADF
-	}
-	return f.RawFileSystem.Lseek(cancel, in, out)
-}
-
-func (f *sessionFS) GetAttr(cancel <-chan struct{}, in *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
-	if !f.known(in.Fh()) {
-		return fuse.EBADF
-	}
-	return f.RawFileSystem.GetAttr(cancel, in, out)
-}
-
-func (f *sessionFS) SetAttr(cancel <-chan struct{}, in *fuse.SetAttrIn, out *fuse.AttrOut) fuse.Status {
-	if fh, ok := in.GetFh(); ok && !f.known(fh) {
-		return fuse.EBADF
-	}
-	return f.RawFileSystem.SetAttr(cancel, in, out)
-}
-
-func (f *sessionFS) ReadDir(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
-	if !f.known(in.Fh) {
-		return fuse.EBADF
-	}
-	return f.RawFileSystem.ReadDir(cancel, in, out)
-}
-
-func (f *sessionFS) ReadDirPlus(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
-	if !f.known(in.Fh) {
-		return fuse.EBADF
-	}
-	return f.RawFileSystem.ReadDirPlus(cancel, in, out)
 }
 
 // goFuseLog routes go-fuse's own log lines to zap. During a handover every

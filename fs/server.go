@@ -201,6 +201,7 @@ func New(o Options) (*Server, error) {
 	}
 	// NewNodeFS builds the whole tree now (root.OnAdd).
 	s := &Server{root: r, rawFS: newSessionFS(gofs.NewNodeFS(r, opts)), opts: opts, log: o.Log}
+	s.rawFS.reopen = s.reopen
 	opts.MountOptions.Logger = newGoFuseLogger(s)
 	return s, nil
 }

@@ -449,7 +449,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		}
 		d.inherited = true
 		log.Warn("took the mount over from the service manager's file descriptor store: the previous daemon died; "+
-			"requests it read were sent again, handles it had opened answer EBADF (the clients reopen)", zap.String("mountpoint", mountpoint))
+			"requests it read were sent again, handles it had opened are reopened on first use (control-file handles answer EBADF; the clients reopen)", zap.String("mountpoint", mountpoint))
 	} else if err := d.srv.Serve(mountpoint); err != nil {
 		log.Error("mount failed", zap.Error(err))
 		return nil, err
