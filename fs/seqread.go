@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"errors"
 	"os"
 	"strconv"
 	"sync"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 
+	"github.com/engramfs/engramfs/backing"
 	"github.com/engramfs/engramfs/cache"
 )
 
@@ -101,6 +103,11 @@ type readAhead struct {
 	// fill reads len(b) bytes at off (page-aligned), fewer only at the
 	// end of the file.
 	fill func(b []byte, off int64) (int, error)
+	// read, if set, reads [off, off+n) (fewer only at the end of the
+	// file) into buf, a pushBuf, and returns the slice of buf that holds
+	// them: the table's data straight from the shard, stored from where
+	// it landed. An error matching errors.ErrUnsupported: fill instead.
+	read func(buf []byte, off, n int64) ([]byte, error)
 	// store puts data into the file's page cache at off: the inode's
 	// WriteCache (NOTIFY_STORE).
 	store func(off int64, data []byte) syscall.Errno
@@ -113,7 +120,15 @@ type readAhead struct {
 	wg      sync.WaitGroup
 }
 
-var chunkPool = sync.Pool{New: func() any { b := make([]byte, pushChunk); return &b }}
+// pushBufs holds the pieces' buffers: pushChunk and the slack of an
+// O_DIRECT read's aligned superset, page-aligned. Reused, never zeroed
+// again: a fresh 1 MiB buffer per piece cost the daemon more CPU (clearing
+// it, faulting it in, the scavenger handing it back) than the read.
+// At most maxPushes are in use at once.
+var pushBufs = sync.Pool{New: func() any {
+	b := backing.AlignedBuf(pushChunk+2*backing.IntoAlign, backing.IntoAlign)
+	return &b
+}}
 
 // observe records a read of [off, end) that reached the daemon and starts
 // pushing when the handle reads sequentially. It never waits for I/O.
@@ -176,13 +191,25 @@ func (r *readAhead) run() {
 // push reads and stores [off, off+n); false when pushing should stop (a
 // read error, which the reader's own read will report, or a mount gone).
 func (r *readAhead) push(off, n int64) bool {
-	bp := chunkPool.Get().(*[]byte)
-	defer chunkPool.Put(bp)
-	got, err := r.fill((*bp)[:n], off)
-	if got == 0 || err != nil {
+	bp := pushBufs.Get().(*[]byte)
+	defer pushBufs.Put(bp)
+	data, err := r.load(*bp, off, n)
+	if len(data) == 0 || err != nil {
 		return false
 	}
-	return r.store(off, (*bp)[:got]) == 0
+	return r.store(off, data) == 0
+}
+
+// load reads [off, off+n) into buf: through read where it can, else fill.
+func (r *readAhead) load(buf []byte, off, n int64) ([]byte, error) {
+	if r.read != nil {
+		data, err := r.read(buf, off, n)
+		if !errors.Is(err, errors.ErrUnsupported) {
+			return data, err
+		}
+	}
+	got, err := r.fill(buf[:n], off)
+	return buf[:got], err
 }
 
 // stop drops what is left to push.

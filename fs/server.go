@@ -42,6 +42,11 @@ var ErrNotServing = errors.New("fs: not serving: the mount is not up")
 type Options struct {
 	Model  *backing.Model
 	Loader *cache.Loader
+	// ReadInto, if set, reads the table data a sequential reader's
+	// readahead pushes (seqread.go) straight into the buffer it stores;
+	// nil: through Loader. The daemon sets its Store, unless faults are
+	// injected (they are the Loader's source's).
+	ReadInto backing.IntoReader
 	// Stats are the counters; with Stats.Timings set, the nodes that time
 	// their work are built in their timed variants (timing.go).
 	Stats *stats.Counters

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"errors"
 	"syscall"
 
 	gofs "github.com/hanwen/go-fuse/v2/fs"
@@ -27,6 +28,7 @@ type tableFile struct {
 	roFile
 	t      *backing.Table
 	loader *cache.Loader
+	into   backing.IntoReader // the readahead's reads; nil: through loader
 	st     *stats.Counters
 	faults FaultSink   // may be nil
 	seen   *cache.Seen // may be nil: the pages this daemon put in the page cache
@@ -56,7 +58,7 @@ func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 	var h gofs.FileHandle
 	if !ownOpen(ctx) {
 		h = &tableHandle{readAhead{size: f.t.FileSize, trigger: 2*f.t.RowBytes + cache.PageSize,
-			fill: f.fill, store: f.writeCache}}
+			fill: f.fill, read: f.readInto, store: f.writeCache}}
 	}
 	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
 }
@@ -156,4 +158,21 @@ func (f *tableFile) fill(b []byte, off int64) (int, error) {
 		}
 	}
 	return f.copyOut(b[:end-off], off, first, pages), nil
+}
+
+// readInto reads [off, off+n) of the file into buf for the readahead:
+// the data straight from its shard (backing.IntoReader), not through the
+// loader, whose per-page flights, buffers and copy cost more CPU than the
+// read. A window over the header, or a source that cannot, is fill's.
+func (f *tableFile) readInto(buf []byte, off, n int64) ([]byte, error) {
+	t := f.t
+	hdrLen := int64(len(t.FileHeader))
+	if f.into == nil || off < hdrLen {
+		return nil, errors.ErrUnsupported
+	}
+	n = min(n, t.FileSize-off)
+	if n <= 0 {
+		return nil, nil
+	}
+	return f.into.ReadInto(t, off-hdrLen, int(n), buf)
 }

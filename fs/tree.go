@@ -143,7 +143,7 @@ func (r *root) OnAdd(ctx context.Context) {
 		for _, t := range m.LayerTables(layer) {
 			tf := &tableFile{
 				roFile: roFile{attr: r.attr(syscall.S_IFREG|0o444, int(t.FileSize))},
-				t:      t, loader: r.o.Loader, st: r.o.Stats, faults: r.o.faults, seen: r.o.Seen, log: r.o.hotLog,
+				t:      t, loader: r.o.Loader, into: r.o.ReadInto, st: r.o.Stats, faults: r.o.faults, seen: r.o.Seen, log: r.o.hotLog,
 			}
 			addFile(ld, t.Kind+".safetensors", timeTable(tf, r.o.Stats.Timings))
 			r.tables[t.ID] = tf

@@ -403,6 +403,10 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		log.Warn("injecting backing faults (testing only)", zap.String("faults", spec.String()))
 	}
 	loader := cache.NewLoader(src, model.Tables, st)
+	var readInto backing.IntoReader = d.store // the readahead's reads: no faults injected
+	if mf.injectFaults != "" {
+		readInto = nil
+	}
 	transport, err := uring.ParseMode(mf.fuseTrans)
 	if err != nil {
 		return nil, usageError{Err: fmt.Errorf("--fuse-transport: %w", err)}
@@ -418,7 +422,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 		seen.SetUnknown()
 	}
 	if d.srv, err = fs.New(fs.Options{
-		Model: model, Loader: loader, Stats: st, Log: log, Seen: seen,
+		Model: model, Loader: loader, ReadInto: readInto, Stats: st, Log: log, Seen: seen,
 		AllowOther: mf.allowOther, Debug: mf.debugFUSE, ControlHandles: mf.ctlHandles,
 		NoPassthrough: !mf.passthrough,
 		Transport:     uring.New(transport, st, log),
