@@ -216,31 +216,52 @@ const defaultStopWait = 30 * time.Second
 
 // waitForMappers holds a stop while processes other than this one map a
 // file of the mount: their next cold page would be SIGBUS once the daemon
-// is gone. It waits at most max, logging who maps every few seconds; a
-// second signal on sig, or max 0, stops at once.
-func (d *daemon) waitForMappers(max time.Duration, sig <-chan os.Signal) {
+// is gone. It waits at most limit, logging who maps every few seconds; a
+// second signal on sig, or limit 0, stops at once.
+func (d *daemon) waitForMappers(limit time.Duration, sig <-chan os.Signal) {
 	mp := d.srv.Mountpoint()
-	if mp == "" || max <= 0 {
+	if mp == "" || limit <= 0 {
 		return
 	}
 	start := time.Now()
 	var logged time.Time
+	type answer struct {
+		pids []int
+		err  error
+	}
 	for {
-		pids, err := mapperPids(mp)
+		// Reading a process's maps takes its memory map lock: a process
+		// stuck in the kernel holding it (seen: a test process in D state
+		// on another FUSE mount) would hold the stop forever. Bounded by
+		// limit like the wait itself; the read left behind ends with us.
+		ch := make(chan answer, 1)
+		go func() { pids, err := mapperPids(mp); ch <- answer{pids, err} }()
+		var a answer
+		select {
+		case a = <-ch:
+		case <-time.After(listWait(limit, start)):
+			d.log.Warn("listing the processes that map table files hangs (a process stuck in the kernel?); unmounting anyway",
+				zap.Duration("waited", time.Since(start)))
+			return
+		case s := <-sig:
+			d.log.Warn("second signal: stopping while processes that map table files are listed", zap.String("signal", s.String()))
+			return
+		}
+		pids, err := a.pids, a.err
 		if err != nil || len(pids) == 0 {
 			if !logged.IsZero() {
 				d.log.Info("the last mapping of the mount is gone", zap.Duration("waited", time.Since(start)))
 			}
 			return
 		}
-		if time.Since(start) >= max {
+		if time.Since(start) >= limit {
 			d.log.Warn("processes still map table files; unmounting anyway (their next cold page is SIGBUS)",
-				zap.Ints("pids", pids), zap.Duration("waited", max))
+				zap.Ints("pids", pids), zap.Duration("waited", limit))
 			return
 		}
 		if time.Since(logged) >= 5*time.Second {
 			d.log.Warn("waiting for processes that map table files to let go (a second signal stops at once)",
-				zap.Ints("pids", pids), zap.Duration("at_most", max))
+				zap.Ints("pids", pids), zap.Duration("at_most", limit))
 			d.notify(fmt.Sprintf("STATUS=stopping: waiting for pids %v to unmap table files", pids))
 			logged = time.Now()
 		}
@@ -251,6 +272,12 @@ func (d *daemon) waitForMappers(max time.Duration, sig <-chan os.Signal) {
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
+}
+
+// listWait is how long one listing of the mappers may take: what is left
+// of limit since start, at least a second.
+func listWait(limit time.Duration, start time.Time) time.Duration {
+	return max(time.Second, limit-time.Since(start))
 }
 
 // mapperPids is procfs.Mappers without this process (the hot tier maps
