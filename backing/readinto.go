@@ -3,6 +3,7 @@ package backing
 import (
 	"errors"
 	"fmt"
+	"time"
 	"unsafe"
 
 	"github.com/engramfs/engramfs/backing/ioengine"
@@ -43,7 +44,13 @@ func (s *Store) ReadInto(t *Table, off int64, n int, buf []byte) ([]byte, error)
 	if !ok {
 		return nil, fmt.Errorf("table %s: shard %s: reads into a buffer: %w", t.Name, t.Shard.Path, errors.ErrUnsupported)
 	}
+	start := time.Now()
 	data, err := sf.readInto(t.DataStart+off, n, buf)
+	if tm := s.st.Timings; tm != nil && !errors.Is(err, errors.ErrUnsupported) && !errors.Is(err, ErrClosed) {
+		// As Timed does for the loader's reads: backing_read_seconds
+		// counts every backing read that backing_reads counts.
+		tm.BackingRead(t.ID, time.Since(start))
+	}
 	if err != nil && !errors.Is(err, errors.ErrUnsupported) {
 		s.st.BackingErrors.Add(1)
 		err = fmt.Errorf("table %s: %w", t.Name, err)
