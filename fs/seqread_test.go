@@ -218,3 +218,55 @@ func TestReadAheadBoundsPiecesAcrossHandles(t *testing.T) {
 		t.Fatalf("%d pieces were in flight at once across handles, want at most %d", most, maxPushes)
 	}
 }
+
+// A handle reads at most loadParallel pieces from backing at once while
+// more are in flight: the pieces being stored do not add to the disk's
+// queue.
+func TestReadAheadReadsAtMostLoadParallelAtOnce(t *testing.T) {
+	var mu sync.Mutex
+	loading, most, stored := 0, 0, 0
+	release := make(chan struct{})
+	r := &readAhead{size: 64 << 20,
+		fill: func(b []byte, off int64) (int, error) {
+			mu.Lock()
+			loading++
+			most = max(most, loading)
+			mu.Unlock()
+			<-release
+			mu.Lock()
+			loading--
+			mu.Unlock()
+			return len(b), nil
+		},
+		store: func(off int64, data []byte) syscall.Errno {
+			mu.Lock()
+			stored++
+			mu.Unlock()
+			return 0
+		}}
+	r.observe(0, 8<<20) // a 32 MiB window: 32 pieces
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		mu.Lock()
+		n := loading
+		mu.Unlock()
+		if n == loadParallel {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d pieces reading after 10 s, want %d", n, loadParallel)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(50 * time.Millisecond) // room for one too many to show
+	mu.Lock()
+	if most != loadParallel {
+		t.Errorf("%d pieces read at once, want %d", most, loadParallel)
+	}
+	mu.Unlock()
+	close(release)
+	settle(t, r)
+	if stored != 32 {
+		t.Fatalf("%d pieces stored, want the window's 32", stored)
+	}
+}
