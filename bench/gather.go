@@ -205,15 +205,23 @@ func (o *rowsOut) row(j, ti, i int, rb int64, scratch []byte) []byte {
 // mappings, on the calling goroutine: a decode step of one thread, whose
 // cold page faults are served one after another. Rows go to out (nil:
 // into buf, one row).
-func (g *gatherSet) gatherSerial(rows [][]uint64, buf []byte, out *rowsOut) (err error) {
-	defer guardFaults(&err)()
+func (g *gatherSet) gatherSerial(rows [][]uint64, buf []byte, out *rowsOut) error {
 	for j, rs := range rows {
-		for ti, src := range g.layers[j] {
-			rb := src.t.RowBytes
-			for i, r := range rs {
-				off := src.rowOff(r)
-				copy(out.row(j, ti, i, rb, buf), src.data[off:off+rb])
-			}
+		if err := g.gatherLayer(j, rs, buf, out); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// gatherLayer is gatherSerial of layer index j's rows alone.
+func (g *gatherSet) gatherLayer(j int, rs []uint64, buf []byte, out *rowsOut) (err error) {
+	defer guardFaults(&err)()
+	for ti, src := range g.layers[j] {
+		rb := src.t.RowBytes
+		for i, r := range rs {
+			off := src.rowOff(r)
+			copy(out.row(j, ti, i, rb, buf), src.data[off:off+rb])
 		}
 	}
 	return nil

@@ -64,6 +64,10 @@ type ServeConfig struct {
 	// join the reads still in flight, instead of waiting for the barrier
 	// first (docs/design.md, Walk 2, "Overlapping the gather").
 	DecodeOverlap bool
+	// DecodePerLayer: engramfs+hints sends a step's hints on a handle per
+	// layer and waits for each layer right before its gather, so the later
+	// layers' reads land while the earlier layers are gathered.
+	DecodePerLayer bool
 }
 
 // ServePaths are the serving loop's paths, in report order.
@@ -122,6 +126,8 @@ func (s *ServeConfig) check() error {
 		return errors.New("serving loop: nothing to measure (geometries, paths, ranks)")
 	case s.MemLimit < 0 || s.GatherWorkers < 1 || s.PrefetchThreads < 1 || s.PrefetchTaskRows < 1 || s.BurstRuns < 1:
 		return errors.New("serving loop: the limit, worker pools, prefetch tasks and burst runs must be positive")
+	case s.DecodeOverlap && s.DecodePerLayer:
+		return errors.New("serving loop: --serve-decode-overlap and --serve-decode-per-layer are two ways of waiting for a step's hints; choose one")
 	}
 	for _, p := range s.Paths {
 		if !slices.Contains(ServePaths, p) {
@@ -140,12 +146,13 @@ func (s *ServeConfig) needsMount() bool { return slices.ContainsFunc(s.Paths, Pa
 
 // ServeReport is the serving loop's part of a report.
 type ServeReport struct {
-	Spec          ServeSpec     `json:"spec"`
-	Compute       time.Duration `json:"compute_ns"`
-	DecodeCompute time.Duration `json:"decode_compute_ns"`
-	DecodeOverlap bool          `json:"decode_overlap,omitempty"`
-	MemLimit      int64         `json:"mem_limit_bytes"`
-	CacheSize     string        `json:"cache_size"`
+	Spec           ServeSpec     `json:"spec"`
+	Compute        time.Duration `json:"compute_ns"`
+	DecodeCompute  time.Duration `json:"decode_compute_ns"`
+	DecodeOverlap  bool          `json:"decode_overlap,omitempty"`
+	DecodePerLayer bool          `json:"decode_per_layer,omitempty"`
+	MemLimit       int64         `json:"mem_limit_bytes"`
+	CacheSize      string        `json:"cache_size"`
 	// Cgroup is the memory cgroup the ranks and the daemon ran in, or
 	// NoCgroup why there was none (the run then had no memory limit).
 	Cgroup   string `json:"cgroup,omitempty"`
@@ -272,7 +279,7 @@ func (r *ServeRun) path(id PathID) *ServePath {
 // and rank count every path, then the floor again.
 func serveRun(ctx context.Context, cfg *Config, dirs map[string]string, flags []string, drop *dropper, prog *progress, note func(string, ...any)) (*ServeReport, error) {
 	sc := &cfg.Serve
-	rep := &ServeReport{Spec: sc.Spec, Compute: sc.Compute, DecodeCompute: sc.DecodeCompute, DecodeOverlap: sc.DecodeOverlap, MemLimit: sc.MemLimit, CacheSize: sc.CacheSize}
+	rep := &ServeReport{Spec: sc.Spec, Compute: sc.Compute, DecodeCompute: sc.DecodeCompute, DecodeOverlap: sc.DecodeOverlap, DecodePerLayer: sc.DecodePerLayer, MemLimit: sc.MemLimit, CacheSize: sc.CacheSize}
 	var shards []string
 	for _, g := range sc.Geometries {
 		ents, err := filepath.Glob(filepath.Join(dirs[g.DirName()], "model-*.safetensors"))
@@ -498,7 +505,7 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 	ranks, err := startRanks(ctx, wrapper, run.Ranks, rankConfig{
 		ModelDir: run.ModelDir, Mountpoint: mountpoint, Path: p, Seed: cfg.Seed, Spec: sc.Spec,
 		GatherWorkers: sc.GatherWorkers, PrefetchThreads: sc.PrefetchThreads, PrefetchTaskRows: sc.PrefetchTaskRows,
-		VerifySample: sc.VerifySample, DecodeOverlap: sc.DecodeOverlap,
+		VerifySample: sc.VerifySample, DecodeOverlap: sc.DecodeOverlap, DecodePerLayer: sc.DecodePerLayer,
 	}, sc.CommandTimeout)
 	if err != nil {
 		return nil, err

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"bytes"
+	"context"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -157,6 +158,39 @@ func TestServeTiny(t *testing.T) {
 	}
 	if err := rep.Plot(filepath.Join(t.TempDir(), "serve.png")); err != nil {
 		t.Error(err)
+	}
+}
+
+// TestServeDecodePerLayer runs the serving loop's engramfs+hints path with
+// a decode handle and a barrier per layer: every row of every step checked,
+// every layer's frames settled, the mode named in the report.
+func TestServeDecodePerLayer(t *testing.T) {
+	testenv.RequireFUSE(t)
+	cfg := tinyServe(t)
+	cfg.Serve.Paths = []PathID{PathHints}
+	cfg.Serve.Ranks = []int{1}
+	cfg.Serve.DecodePerLayer = true
+	rep := runTiny(t, cfg)
+	spec := cfg.Serve.Spec
+	steps, chunks, layers := spec.Requests*spec.Steps, spec.Requests*spec.Chunks, 2
+	p := rep.Serve.Runs[0].Paths[0]
+	if !p.measured() {
+		t.Fatalf("not measured: %s%s", p.Skipped, p.Failed)
+	}
+	if want := int64(layers * (steps*spec.StepRows + chunks*spec.ChunkRows)); p.Verified != want || p.Decode.N != steps {
+		t.Errorf("%d rows checked in %d steps, want %d in %d", p.Verified, p.Decode.N, want, steps)
+	}
+	if b := p.DecodeBarrier; b == nil || b.Frames != uint64(layers*steps) || b.Pages == 0 || b.Failed != 0 {
+		t.Errorf("decode barriers %+v, want %d frames settled", b, layers*steps)
+	}
+	var table bytes.Buffer
+	rep.WriteTable(&table)
+	if !strings.Contains(table.String(), "decode per layer:") {
+		t.Errorf("table does not name the mode:\n%s", table.String())
+	}
+	cfg.Serve.DecodeOverlap = true
+	if _, err := Run(context.Background(), cfg); err == nil || !strings.Contains(err.Error(), "choose one") {
+		t.Errorf("overlap and per layer together: %v, want refused", err)
 	}
 }
 

@@ -55,6 +55,9 @@ type rankConfig struct {
 	VerifySample int `json:"verify_sample"`
 	// DecodeOverlap: gather a decode step before its barrier (ServeConfig).
 	DecodeOverlap bool `json:"decode_overlap,omitempty"`
+	// DecodePerLayer: a decode handle per layer, a barrier per layer
+	// (ServeConfig).
+	DecodePerLayer bool `json:"decode_per_layer,omitempty"`
 }
 
 // rankCmd is one command: start the prefetch of a chunk, wait for it and
@@ -139,6 +142,10 @@ type rank struct {
 	// The hint handles of engramfs+hints: one for prefill, one for decode,
 	// so a decode barrier never waits for a prefill (README, "Hints").
 	prefill, decode *hinter
+	// layerDecode, with DecodePerLayer, is a decode handle per layer
+	// index (layerDecode[0] is decode): a step waits for each layer's
+	// rows right before that layer's gather.
+	layerDecode []*hinter
 
 	tasks   chan prefetchTask // the v3 prefetch pool's queue
 	pending *prefetchWait     // the chunk prefetch started and not waited for
@@ -196,6 +203,17 @@ func newRank(cfg rankConfig) (*rank, error) {
 			r.close()
 			return nil, err
 		}
+		if cfg.DecodePerLayer {
+			r.layerDecode = []*hinter{r.decode}
+			for range m.Layers[1:] {
+				h, err := openHinter(cfg.Mountpoint)
+				if err != nil {
+					r.close()
+					return nil, err
+				}
+				r.layerDecode = append(r.layerDecode, h)
+			}
+		}
 	}
 	if cfg.Path.willneed() {
 		r.tasks = make(chan prefetchTask)
@@ -210,7 +228,7 @@ func (r *rank) close() {
 	if r.tasks != nil {
 		close(r.tasks)
 	}
-	for _, h := range []*hinter{r.prefill, r.decode} {
+	for _, h := range append([]*hinter{r.prefill, r.decode}, r.layerDecode[min(1, len(r.layerDecode)):]...) {
 		if h != nil {
 			h.Close()
 		}
@@ -365,6 +383,31 @@ func (r *rank) step(rows [][]uint64) (rankReply, error) {
 	}
 	start := time.Now()
 	switch {
+	case r.layerDecode != nil:
+		// Every layer's hints first, each on its layer's handle; then
+		// layer by layer its barrier and its gather, so the later
+		// layers' reads and stores go on while the earlier layers are
+		// gathered (an engine: while they are computed).
+		for j, rs := range rows {
+			if err := r.layerDecode[j].Decode(r.model.Layers[j], rs); err != nil {
+				return rep, err
+			}
+		}
+		var all hints.Status
+		for j, rs := range rows {
+			st, err := r.layerDecode[j].WaitStatus()
+			if err != nil {
+				return rep, err
+			}
+			all.Add(st)
+			if j == 0 {
+				rep.Hint = time.Since(start)
+			}
+			if err := r.gs.gatherLayer(j, rs, r.buf, r.out); err != nil {
+				return rep, err
+			}
+		}
+		rep.Status = &all
 	case r.decode != nil:
 		for j, rs := range rows {
 			if err := r.decode.Decode(r.model.Layers[j], rs); err != nil {

@@ -112,6 +112,9 @@ func (r *Report) writeServe(w io.Writer) {
 	if s.DecodeOverlap {
 		fmt.Fprintln(w, "decode overlap: engramfs+hints gathers each step right after its hints and reads the barrier after the gather (hints + barrier: the hint writes alone)")
 	}
+	if s.DecodePerLayer {
+		fmt.Fprintln(w, "decode per layer: engramfs+hints sends each layer's hints on a handle of its own and reads each layer's barrier right before its gather (hints + barrier: the hints and the first layer's barrier)")
+	}
 	if s.Cgroup != "" {
 		fmt.Fprintf(w, "memory: the ranks and the daemon in a %s; daemon --cache-size %s\n", s.Cgroup, s.CacheSize)
 	} else {

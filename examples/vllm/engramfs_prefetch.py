@@ -100,12 +100,12 @@ class Hints:
         (with the reason) and HintRejected for a bad row."""
         for layer, rows in layer_rows:
             self.dec.decode(layer, rows)
-        # PER-LAYER BARRIERS: one barrier for the whole step is what the
-        # engine waits on today. A step could instead wait per layer (hint
-        # every layer, then wait for layer L right before its gather) so
-        # that layer 0's gather overlaps the later layers' reads; the
-        # serving-loop work on the daemon side decides which, and this is
-        # the one place to change (a handle per layer, a barrier each).
+        # One barrier for the whole step. A barrier per layer (a handle per
+        # layer, each layer's barrier read right before its gather) measured
+        # no faster in the serving loop, whose layers have no compute in
+        # between (engramfs bench --serve --serve-decode-per-layer); it pays
+        # only where the engine computes between its engram layers, and
+        # this is the one place to change for it.
         self.last_status = self.dec.wait()
         self.decode_steps += 1
         return self.last_status
