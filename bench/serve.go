@@ -185,11 +185,19 @@ type ServeRun struct {
 	// Distinct pages every rank's plan asks for, in the mount's layout and
 	// the shards'; MountReadOnce the backing bytes of reading each mount
 	// page once (O_DIRECT's alignment included, at Align).
-	MountPages    int          `json:"distinct_mount_pages"`
-	ShardPages    int          `json:"distinct_shard_pages"`
-	MountReadOnce uint64       `json:"mount_read_once_bytes"`
-	Align         int64        `json:"shard_dio_align"`
-	Paths         []*ServePath `json:"paths"`
+	MountPages    int    `json:"distinct_mount_pages"`
+	ShardPages    int    `json:"distinct_shard_pages"`
+	MountReadOnce uint64 `json:"mount_read_once_bytes"`
+	Align         int64  `json:"shard_dio_align"`
+	// StepNewMount and StepNewShard are the reads a decode step (all
+	// ranks, mean over steps) needs for pages that no earlier chunk or
+	// step of any rank named, taken in the order the loop runs them
+	// (request by request: its chunks, then its steps, every rank at
+	// each), in the mount's layout and the shards': the compulsory reads,
+	// which no cache of any size saves.
+	StepNewMount float64      `json:"step_new_reads_mount"`
+	StepNewShard float64      `json:"step_new_reads_shard"`
+	Paths        []*ServePath `json:"paths"`
 }
 
 // ServePath is one path of the serving loop.
@@ -220,10 +228,12 @@ type ServePath struct {
 	DecodeDisk memcg.IOCounters `json:"decode_disk"`
 	StepReads  []uint64         `json:"step_reads"`
 	Device     DevCounters      `json:"device"`
-	// ColdReads is the device reads a decode step (mean); Floor the p50
-	// over steps of each step's floor (a burst of its reads), FloorMean
-	// the floor of the mean.
+	// ColdReads is the device reads a decode step (mean), NewReads the
+	// compulsory ones in the path's layout (ServeRun.StepNewMount or
+	// StepNewShard); Floor the p50 over steps of each step's floor (a
+	// burst of its reads), FloorMean the floor of the mean.
 	ColdReads float64       `json:"cold_reads_per_step"`
+	NewReads  float64       `json:"new_reads_per_step"`
 	Floor     time.Duration `json:"floor_p50_ns"`
 	// StepPages and StepResident: the steps' distinct pages and those
 	// resident before their step (mincore, summed over steps and ranks).
@@ -239,14 +249,12 @@ type ServePath struct {
 	// 4096; ReadOnce the same bytes over those of reading each page once.
 	BytesPerDistinct float64 `json:"backing_bytes_per_distinct_page"`
 	ReadOnce         float64 `json:"backing_bytes_per_read_once"`
-	// Reread is the pages read more than once where it can be known. For
-	// the shards' paths (the page cache's reads), the cgroup's refaults:
-	// pages read again after its reclaim evicted them. For the mount's,
-	// the backing bytes past reading each page once, in pages: an
-	// estimate (RereadEstimated), which also counts pages read again while
-	// they were still cached.
-	Reread          float64 `json:"pages_reread"`
-	RereadEstimated bool    `json:"pages_reread_estimated,omitempty"`
+	// Reread is the pages read more than once. For the shards' paths
+	// (the page cache's reads), the cgroup's refaults: pages read again
+	// after its reclaim evicted them. For the mount's, the daemon's
+	// backing_pages_again: table pages read from backing after it had put
+	// them in the page cache once.
+	Reread float64 `json:"pages_reread"`
 
 	Daemon  *ServeDaemon  `json:"daemon,omitempty"`
 	Memory  *memcg.Usage  `json:"memory,omitempty"` // the cgroup's, at the end
@@ -377,6 +385,40 @@ func serveRun(ctx context.Context, cfg *Config, dirs map[string]string, flags []
 // cgroupPrefix names the bench's memory cgroups (PREFIX-PID-N).
 const cgroupPrefix = "engramfs-bench"
 
+// stepNewReads counts every rank's plan into mount and shard in the order
+// servePath runs them (request by request: every rank's chunks, then every
+// rank's steps, in lockstep) and returns the mean reads a step (all ranks)
+// of pages nothing named before it, in each layout.
+func stepNewReads(m *backing.Model, plans [][]ServeRequest, mount, shard *PageCounter) (newMount, newShard float64) {
+	add := func(rows [][]uint64) (mr, sr int) {
+		for j, rs := range rows {
+			_, a := mount.AddReads(m.Layers[j], rs)
+			_, b := shard.AddReads(m.Layers[j], rs)
+			mr, sr = mr+a, sr+b
+		}
+		return mr, sr
+	}
+	steps, nm, ns := 0, 0, 0
+	for i := 0; len(plans) > 0 && i < len(plans[0]); i++ {
+		for k := range plans[0][i].Chunks {
+			for _, plan := range plans {
+				add(plan[i].Chunks[k])
+			}
+		}
+		for s := range plans[0][i].Steps {
+			for _, plan := range plans {
+				a, b := add(plan[i].Steps[s])
+				nm, ns = nm+a, ns+b
+			}
+			steps++
+		}
+	}
+	if steps == 0 {
+		return 0, 0
+	}
+	return float64(nm) / float64(steps), float64(ns) / float64(steps)
+}
+
 // What counted a serving path's disk reads (ServeReport.IOFrom).
 const (
 	ioFromCgroup = "cgroup"
@@ -391,24 +433,17 @@ func newServeRun(cfg *Config, g Geometry, dir string, m *backing.Model, ranks in
 		layerRows = append(layerRows, n)
 	}
 	run := &ServeRun{Geometry: g, ModelDir: dir, Ranks: ranks, Align: 1}
-	mount, shard := NewPageCounter(m), NewShardPageCounter(m)
+	plans := make([][]ServeRequest, ranks)
 	for rk := range ranks {
 		plan, err := ServePlan(cfg.Seed, rk, layerRows, cfg.Serve.Spec)
 		if err != nil {
 			return nil, err
 		}
-		if rk == 0 {
-			run.Shape = Shape(plan)
-		}
-		for _, rq := range plan {
-			for _, rows := range append(slices.Clone(rq.Chunks), rq.Steps...) {
-				for j, rs := range rows {
-					mount.Add(m.Layers[j], rs)
-					shard.Add(m.Layers[j], rs)
-				}
-			}
-		}
+		plans[rk] = plan
 	}
+	run.Shape = Shape(plans[0])
+	mount, shard := NewPageCounter(m), NewShardPageCounter(m)
+	run.StepNewMount, run.StepNewShard = stepNewReads(m, plans, mount, shard)
 	if len(m.Shards) > 0 {
 		if f, align, _, err := backing.OpenDirect(m.Shards[0].Path, 0); err == nil {
 			f.Close()
@@ -424,6 +459,10 @@ func newServeRun(cfg *Config, g Geometry, dir string, m *backing.Model, ranks in
 func (p *ServePath) finish(run *ServeRun, floor *BurstFloor) {
 	if !p.measured() {
 		return
+	}
+	p.NewReads = run.StepNewShard
+	if p.Path.mounts() {
+		p.NewReads = run.StepNewMount
 	}
 	if steps := len(p.StepReads); steps > 0 {
 		p.ColdReads = float64(p.DecodeDisk.Reads) / float64(steps)
@@ -447,8 +486,8 @@ func (p *ServePath) finish(run *ServeRun, floor *BurstFloor) {
 	p.BytesPerDistinct = ratio(float64(bytes), float64(pages)*backing.PageSize)
 	p.ReadOnce = ratio(float64(bytes), float64(readOnce))
 	switch {
-	case p.Path.mounts() && pages > 0 && bytes > 0:
-		p.Reread, p.RereadEstimated = max(0, float64(bytes)-float64(readOnce))/(float64(readOnce)/float64(pages)), true
+	case p.Path.mounts() && p.Daemon != nil:
+		p.Reread = float64(p.Daemon.Stats.BackingAgain)
 	case p.Memory != nil:
 		p.Reread = float64(p.Memory.Refaults)
 	}

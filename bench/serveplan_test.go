@@ -159,3 +159,47 @@ func TestShardPagesAndReadOnce(t *testing.T) {
 		t.Errorf("no alignment: %d, want the pages' bytes", got)
 	}
 }
+
+// TestStepNewReads: a step's compulsory reads are those of pages nothing
+// named before it in the loop's order (every rank's chunks of a request,
+// then every rank's steps), one read a row whatever pages it spans.
+func TestStepNewReads(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "m")
+	spec := backing.DefaultSynth()
+	spec.Layers, spec.Rows = 1, 4096 // 4096-byte weight rows (unaligned in the shard), 128-byte scale rows
+	if err := backing.Synthesize(dir, spec); err != nil {
+		t.Fatal(err)
+	}
+	m, err := backing.Load(dir, backing.DefaultTablePattern)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Row 100 spans two shard pages: two new pages, one read.
+	if pages, reads := NewShardPageCounter(m).AddReads(0, []uint64{100}); pages != 3 || reads != 2 {
+		t.Errorf("shard layout, one row: %d pages %d reads, want 3 (two weight, one scale) and 2", pages, reads)
+	}
+	if pages, reads := NewPageCounter(m).AddReads(0, []uint64{100, 100, 101}); pages != 3 || reads != 3 {
+		t.Errorf("mount layout, rows 100, 100, 101: %d pages %d reads, want 3 and 3 (two weight pages, one scale page)", pages, reads)
+	}
+	rows := func(r ...uint64) [][]uint64 { return [][]uint64{r} }
+	// Rank 0 names row 0 in a chunk; its step names 0 (seen) and 2000
+	// (new). Rank 1's step names 2000 too, after rank 0's: seen. The
+	// second request's step names 3000, which rank 1's chunk of that
+	// request named before it.
+	plans := [][]ServeRequest{
+		{
+			{Chunks: [][][]uint64{rows(0)}, Steps: [][][]uint64{rows(0, 2000)}},
+			{Chunks: [][][]uint64{rows(1)}, Steps: [][][]uint64{rows(3000)}},
+		},
+		{
+			{Chunks: [][][]uint64{rows(1024)}, Steps: [][][]uint64{rows(2000)}},
+			{Chunks: [][][]uint64{rows(3000)}, Steps: [][][]uint64{rows(4000)}},
+		},
+	}
+	nm, ns := stepNewReads(m, plans, NewPageCounter(m), NewShardPageCounter(m))
+	// Steps: request 1 (row 2000: a weight read and a scale read), request
+	// 2 (row 4000: the same). Two steps, two reads each, in both layouts.
+	if nm != 2 || ns != 2 {
+		t.Errorf("new reads a step: mount %v, shard %v; want 2 and 2", nm, ns)
+	}
+}

@@ -62,7 +62,7 @@ func (r *Report) serveTargets() []Target {
 				Detail: fmt.Sprintf("%s vs %s", fmtDur(h.Decode.P99), fmtDur(v3.Decode.P99))}, "")
 			add(Target{ID: TargetServeColdReads, Name: "cold reads a decode step: engramfs+hints ≤ 0.75× v3's", Bound: 0.75,
 				Value:  ratio(h.ColdReads, v3.ColdReads),
-				Detail: fmt.Sprintf("%.1f vs %.1f device reads a step", h.ColdReads, v3.ColdReads)}, noDev)
+				Detail: fmt.Sprintf("%.1f vs %.1f device reads a step; of pages no earlier chunk or step named (no cache saves these), %.1f vs %.1f", h.ColdReads, v3.ColdReads, h.NewReads, v3.NewReads)}, noDev)
 			add(Target{ID: TargetServePrefill, Name: "prefill chunk (wait + gather): engramfs+hints ≤ 1.0× v3", Bound: 1,
 				Value: ratio(float64(h.Chunk.Mean), float64(v3.Chunk.Mean)),
 				Detail: fmt.Sprintf("%s vs %s a chunk (mean; waits %s vs %s)", fmtDur(h.Chunk.Mean), fmtDur(v3.Chunk.Mean),
@@ -145,10 +145,10 @@ func (r *Report) writeServe(w io.Writer) {
 		sh := run.Shape
 		fmt.Fprintf(w, "plan (a rank): %s rows a chunk, %.0f%% of them named by no other chunk or step; %d lookups a step, %.0f%% of rows named before; all ranks: %s distinct pages (mount layout), %s (shards)\n",
 			fmtCount(float64(sh.ChunkRows)), 100*sh.ChunkSingletons, sh.StepLookups, 100*sh.StepSeenBefore, fmtCount(float64(run.MountPages)), fmtCount(float64(run.ShardPages)))
-		fmt.Fprintf(w, "%-20s │ %34s │ %13s │ %24s │ %31s │ %17s │ %19s │ %16s\n", "", "decode step", "cold a step", "prefill chunk", "disk", "per distinct page", "daemon", "memory")
-		fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s %6s │ %5s %7s │ %7s %7s %8s │ %8s %6s %6s %8s │ %4s %4s %7s │ %5s %5s %7s │ %7s %8s\n",
-			"path", "p50", "p99", "floor", "×v3", "×floor", "reads", "cached", "mean", "wait", "×v3", "bytes", "reads", "×v3", "dev", "B", "once", "reread", "µs/pg", "sw/pg", "tier", "peak", "refaults")
-		fmt.Fprintln(w, strings.Repeat("─", 21)+"┼"+strings.Repeat("─", 36)+"┼"+strings.Repeat("─", 15)+"┼"+strings.Repeat("─", 26)+"┼"+strings.Repeat("─", 33)+"┼"+strings.Repeat("─", 19)+"┼"+strings.Repeat("─", 21)+"┼"+strings.Repeat("─", 17))
+		fmt.Fprintf(w, "%-20s │ %34s │ %19s │ %24s │ %31s │ %17s │ %19s │ %16s\n", "", "decode step", "cold a step", "prefill chunk", "disk", "per distinct page", "daemon", "memory")
+		fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s %6s │ %5s %5s %7s │ %7s %7s %8s │ %8s %6s %6s %8s │ %4s %4s %7s │ %5s %5s %7s │ %7s %8s\n",
+			"path", "p50", "p99", "floor", "×v3", "×floor", "reads", "new", "cached", "mean", "wait", "×v3", "bytes", "reads", "×v3", "dev", "B", "once", "reread", "µs/pg", "sw/pg", "tier", "peak", "refaults")
+		fmt.Fprintln(w, strings.Repeat("─", 21)+"┼"+strings.Repeat("─", 36)+"┼"+strings.Repeat("─", 21)+"┼"+strings.Repeat("─", 26)+"┼"+strings.Repeat("─", 33)+"┼"+strings.Repeat("─", 19)+"┼"+strings.Repeat("─", 21)+"┼"+strings.Repeat("─", 17))
 		v3 := run.path(PathMmapWillneed)
 		for _, p := range run.Paths {
 			switch {
@@ -182,11 +182,8 @@ func (r *Report) writeServe(w io.Writer) {
 				mem = [2]string{fmtMiB(m.Peak), fmtCount(float64(m.Refaults))}
 			}
 			reread := fmtCount(p.Reread)
-			if p.RereadEstimated && p.Reread > 0 {
-				reread = "~" + reread
-			}
-			fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s %6s │ %5.1f %7s │ %7s %7s %8s │ %8s %6s %6s %8s │ %4s %4s %7s │ %5s %5s %7s │ %7s %8s\n",
-				p.Label, dec[0], dec[1], dec[2], dec[3], dec[4], p.ColdReads, cached, chunk[0], chunk[1], chunk[2],
+			fmt.Fprintf(w, "%-20s │ %6s %6s %6s %6s %6s │ %5.1f %5.1f %7s │ %7s %7s %8s │ %8s %6s %6s %8s │ %4s %4s %7s │ %5s %5s %7s │ %7s %8s\n",
+				p.Label, dec[0], dec[1], dec[2], dec[3], dec[4], p.ColdReads, p.NewReads, cached, chunk[0], chunk[1], chunk[2],
 				disk[0], disk[1], disk[2], disk[3], fmtRatio(p.BytesPerDistinct), fmtRatio(p.ReadOnce), reread, dm[0], dm[1], dm[2], mem[0], mem[1])
 		}
 		for _, p := range run.Paths {
@@ -209,6 +206,6 @@ func (r *Report) writeServe(w io.Writer) {
 		for _, p := range run.Paths {
 			elapsed += p.Elapsed
 		}
-		fmt.Fprintf(w, "decode and chunk times are the slowest rank's; floor: a burst of the step's device reads (p50 over steps); cached: the steps' pages resident before the step (mincore); per distinct page: backing bytes (the daemon's, else the disk's) per distinct page asked × 4096, the same per byte of reading each page once, and the pages read more than once (the cgroup's refaults; ~: estimated from the bytes past reading each once); tier: cache_used_bytes at the end; memory: the cgroup's peak and its refaults (file pages read again after it evicted them); %v of serving\n", elapsed.Round(time.Second))
+		fmt.Fprintf(w, "decode and chunk times are the slowest rank's; floor: a burst of the step's device reads (p50 over steps); new: the reads a step needs for pages no earlier chunk or step named, in the path's layout (compulsory: no cache saves them); cached: the steps' pages resident before the step (mincore); per distinct page: backing bytes (the daemon's, else the disk's) per distinct page asked × 4096, the same per byte of reading each page once, and the pages read more than once (the shards': the cgroup's refaults; the mount's: the daemon's backing_pages_again); tier: cache_used_bytes at the end; memory: the cgroup's peak and its refaults (file pages read again after it evicted them); %v of serving\n", elapsed.Round(time.Second))
 	}
 }

@@ -257,10 +257,20 @@ func NewShardPageCounter(m *backing.Model) *PageCounter {
 // Add counts the pages rows need in every table of layer and returns how
 // many were not seen before.
 func (c *PageCounter) Add(layer int, rows []uint64) int {
-	fresh := 0
+	fresh, _ := c.AddReads(layer, rows)
+	return fresh
+}
+
+// AddReads is Add, and also returns the reads those unseen pages take at
+// the least: one for each row in each table that needs a page not seen
+// before (a row's pages are adjacent, one read; a later row on a page an
+// earlier one brought in needs none). No cache, however large, serves
+// rows that need an unseen page without these reads.
+func (c *PageCounter) AddReads(layer int, rows []uint64) (pages, reads int) {
 	for _, t := range c.m.LayerTables(layer) {
 		for _, r := range rows {
 			file, first, last := c.rowPages(t, r)
+			fresh := 0
 			for pg := first; pg <= last; pg++ {
 				k := pageKey{file, pg}
 				if _, ok := c.seen[k]; !ok {
@@ -268,9 +278,12 @@ func (c *PageCounter) Add(layer int, rows []uint64) int {
 					fresh++
 				}
 			}
+			if fresh > 0 {
+				pages, reads = pages+fresh, reads+1
+			}
 		}
 	}
-	return fresh
+	return pages, reads
 }
 
 func (c *PageCounter) rowPages(t *backing.Table, r uint64) (file uint32, first, last uint64) {

@@ -76,7 +76,14 @@ type Loader struct {
 	negOrder negativeOrder           // GUARDED_BY(mu): negative's keys, oldest first
 
 	inline atomic.Int32 // faults reading on their own goroutine now
+
+	seen *Seen // nil: pages read again are not counted (SetSeen)
 }
+
+// SetSeen counts, in backing_pages_again, the pages read from backing that
+// s says this daemon had already put in the page cache. Call it before
+// the loader is used.
+func (l *Loader) SetSeen(s *Seen) { l.seen = s }
 
 // maxInline bounds the faults that read on their own goroutine (a thread
 // each, blocked in pread); more at once (a WILLNEED burst, many gathering
@@ -282,6 +289,9 @@ func (l *Loader) fetch(runs []Run, origin Origin, inline, hold bool, done FetchD
 func (l *Loader) appendRead(reads []*backing.TableRead, t *backing.Table, first, n uint64, demand bool) []*backing.TableRead {
 	if n == 0 {
 		return reads
+	}
+	if again := l.seen.Count(t.ID, first, n); again > 0 {
+		l.st.BackingAgain.Add(again)
 	}
 	off := int64(first-t.DataPage()) * PageSize
 	length := min(int64(n)*PageSize, t.DataLen-off)

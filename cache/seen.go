@@ -1,6 +1,9 @@
 package cache
 
-import "sync/atomic"
+import (
+	"math/bits"
+	"sync/atomic"
+)
 
 // Seen records, a bit per file page of every table, the pages this daemon
 // may have put in the page cache of its mount: those a FUSE read was
@@ -80,6 +83,29 @@ func (s *Seen) Any(table uint32, first, n uint64) bool {
 		pg += span
 	}
 	return false
+}
+
+// Count is how many pages of [first, first+n) of table were ever served or
+// stored; 0 once Unknown, when it cannot be known.
+func (s *Seen) Count(table uint32, first, n uint64) uint64 {
+	if s == nil || s.unknown.Load() || int(table) >= len(s.tables) {
+		return 0
+	}
+	words := s.tables[table].Load()
+	if words == nil {
+		return 0
+	}
+	var c uint64
+	end := min(first+n, s.pages[table])
+	for pg := first; pg < end; {
+		w := pg / 64
+		bit := pg % 64
+		span := min(64-bit, end-pg)
+		mask := ^uint64(0) >> (64 - span) << bit
+		c += uint64(bits.OnesCount64((*words)[w].Load() & mask))
+		pg += span
+	}
+	return c
 }
 
 // SetSeen has ResidentRun answer "not cached" without a system call for a

@@ -24,12 +24,25 @@ func TestSeenMarksExactlyThePagesServed(t *testing.T) {
 	if s.Any(1, 0, 10) {
 		t.Error("a mark on table 0 shows on table 1")
 	}
+	for _, c := range []struct{ first, n, want uint64 }{
+		{0, 300, 11}, {0, 60, 0}, {55, 10, 5}, {64, 100, 6}, {299, 9, 1}, {128, 64, 0},
+	} {
+		if got := s.Count(0, c.first, c.n); got != c.want {
+			t.Errorf("Count(0, %d, %d) = %d, want %d", c.first, c.n, got, c.want)
+		}
+	}
+	if s.Count(1, 0, 10) != 0 || s.Count(7, 0, 1) != 0 {
+		t.Error("Count of a table nothing was served of must be 0")
+	}
 	if s.Any(7, 0, 1) != true {
 		t.Error("an unknown table must answer \"may be\"")
 	}
 	s.SetUnknown()
 	if !s.Any(1, 0, 10) {
 		t.Error("after SetUnknown every page may be cached")
+	}
+	if s.Count(0, 0, 300) != 0 {
+		t.Error("after SetUnknown no page is known to have been served")
 	}
 	var none *Seen
 	none.Mark(0, 0, 1)

@@ -98,12 +98,14 @@ func (f *tableFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, o
 	}
 	first := uint64(max(off, hdrLen)) / cache.PageSize
 	last := uint64(end-1) / cache.PageSize
-	f.seen.Mark(t.ID, first, last-first+1)
 	pages, err := f.loader.Load(t.ID, first, last-first+1, cache.OriginFault)
 	if err != nil {
 		f.log.Error("read failed", zap.String("table", t.Name), zap.Int64("offset", off), zap.Int("bytes", len(dest)), zap.Error(err))
 		return nil, syscall.EIO
 	}
+	// Seen once read (the loader counts a read of a page seen before as a
+	// read again) and before the reply puts it in the page cache.
+	f.seen.Mark(t.ID, first, last-first+1)
 	if f.faults != nil {
 		keys := make([]cache.PageKey, len(pages))
 		for i := range keys {
@@ -173,6 +175,9 @@ func (f *tableFile) readInto(buf []byte, off, n int64) ([]byte, error) {
 	n = min(n, t.FileSize-off)
 	if n <= 0 {
 		return nil, nil
+	}
+	if again := f.seen.Count(t.ID, uint64(off)/cache.PageSize, uint64(n+cache.PageSize-1)/cache.PageSize); again > 0 {
+		f.st.BackingAgain.Add(again)
 	}
 	return f.into.ReadInto(t, off-hdrLen, int(n), buf)
 }

@@ -448,6 +448,7 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	if mf.takeover || os.Getenv("LISTEN_FDS") != "" {
 		seen.SetUnknown()
 	}
+	loader.SetSeen(seen)
 	if d.srv, err = fs.New(fs.Options{
 		Model: model, Loader: loader, ReadInto: readInto, Stats: st, Log: log, Seen: seen,
 		AllowOther: mf.allowOther, Debug: mf.debugFUSE, ControlHandles: mf.ctlHandles,

@@ -30,6 +30,7 @@ type Counters struct {
 	BackingBytes    atomic.Uint64
 	BackingErrors   atomic.Uint64
 	BackingFailFast atomic.Uint64
+	BackingAgain    atomic.Uint64
 	// Object store source and its local SSD mirror (backing/s3source).
 	S3Gets             atomic.Uint64
 	S3GetBytes         atomic.Uint64
@@ -173,6 +174,7 @@ type Snapshot struct {
 	BackingBytes    uint64 `json:"backing_bytes"`
 	BackingErrors   uint64 `json:"backing_errors"`
 	BackingFailFast uint64 `json:"backing_fail_fast"`
+	BackingAgain    uint64 `json:"backing_pages_again"`
 	ReadEngine      string `json:"read_engine,omitempty"`
 
 	S3Gets         uint64 `json:"s3_gets"`
@@ -254,6 +256,7 @@ func (c *Counters) Snapshot() Snapshot {
 		BackingBytes:    c.BackingBytes.Load(),
 		BackingErrors:   c.BackingErrors.Load(),
 		BackingFailFast: c.BackingFailFast.Load(),
+		BackingAgain:    c.BackingAgain.Load(),
 		ReadEngine:      c.ReadEngine,
 
 		S3Gets:         c.S3Gets.Load(),
