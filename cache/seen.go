@@ -1,6 +1,9 @@
 package cache
 
 import (
+	"encoding/binary"
+	"errors"
+	"fmt"
 	"math/bits"
 	"sync/atomic"
 )
@@ -34,20 +37,93 @@ func NewSeen(pages []uint64) *Seen {
 // SetUnknown makes every page "may be cached" from now on.
 func (s *Seen) SetUnknown() { s.unknown.Store(true) }
 
+// seenMagic starts an encoded Seen (Encode): the format's name and version.
+const seenMagic = "engramfs-seen-1\n"
+
+// Encode is the bits set so far, for a daemon that takes the mount over
+// (Restore): the magic, then for each table that has a bit set its ID,
+// its page count and its words, little-endian. nil when unknown (there
+// is nothing true to pass on).
+func (s *Seen) Encode() []byte {
+	if s == nil || s.unknown.Load() {
+		return nil
+	}
+	out := []byte(seenMagic)
+	for t := range s.tables {
+		words := s.tables[t].Load()
+		if words == nil {
+			continue
+		}
+		out = binary.LittleEndian.AppendUint32(out, uint32(t))
+		out = binary.LittleEndian.AppendUint64(out, s.pages[t])
+		for i := range *words {
+			out = binary.LittleEndian.AppendUint64(out, (*words)[i].Load())
+		}
+	}
+	return out
+}
+
+// Restore adds the bits of b (a predecessor's Encode for the same model)
+// to s and makes s known again: pages neither marked are known uncached.
+// A b that does not fit s (another model, a table of another size, a
+// truncated or foreign encoding) changes nothing and is an error; s stays
+// as it was (unknown, after a takeover).
+func (s *Seen) Restore(b []byte) error {
+	if len(b) < len(seenMagic) || string(b[:len(seenMagic)]) != seenMagic {
+		return errors.New("seen pages: not an encoding this daemon knows")
+	}
+	type table struct {
+		id    uint32
+		words []byte
+	}
+	var tables []table
+	for rest := b[len(seenMagic):]; len(rest) > 0; {
+		if len(rest) < 12 {
+			return errors.New("seen pages: truncated")
+		}
+		id, pages := binary.LittleEndian.Uint32(rest), binary.LittleEndian.Uint64(rest[4:])
+		if int(id) >= len(s.pages) || pages != s.pages[id] {
+			return fmt.Errorf("seen pages: table %d of %d pages is not this model's", id, pages)
+		}
+		n := (pages + 63) / 64 * 8
+		if uint64(len(rest)-12) < n {
+			return errors.New("seen pages: truncated")
+		}
+		tables = append(tables, table{id, rest[12 : 12+n]})
+		rest = rest[12+n:]
+	}
+	for _, t := range tables {
+		for i := uint64(0); i < uint64(len(t.words))/8; i++ {
+			if w := binary.LittleEndian.Uint64(t.words[8*i:]); w != 0 {
+				s.orWord(t.id, i, w)
+			}
+		}
+	}
+	s.unknown.Store(false)
+	return nil
+}
+
+// orWord sets the bits w in word i of table's bitmap.
+func (s *Seen) orWord(table uint32, i, w uint64) { (*s.bitmap(table))[i].Or(w) }
+
+// bitmap is table's words, made on first use.
+func (s *Seen) bitmap(table uint32) *[]atomic.Uint64 {
+	if words := s.tables[table].Load(); words != nil {
+		return words
+	}
+	fresh := make([]atomic.Uint64, (s.pages[table]+63)/64)
+	if s.tables[table].CompareAndSwap(nil, &fresh) {
+		return &fresh
+	}
+	return s.tables[table].Load()
+}
+
 // Mark records pages [first, first+n) of table as possibly cached.
 func (s *Seen) Mark(table uint32, first, n uint64) {
 	if s == nil || int(table) >= len(s.tables) {
 		return
 	}
-	words := s.tables[table].Load()
-	if words == nil {
-		fresh := make([]atomic.Uint64, (s.pages[table]+63)/64)
-		if s.tables[table].CompareAndSwap(nil, &fresh) {
-			words = &fresh
-		} else {
-			words = s.tables[table].Load()
-		}
-	}
+	words := s.bitmap(table)
 	end := min(first+n, s.pages[table])
 	for pg := first; pg < end; {
 		w := pg / 64

@@ -50,3 +50,66 @@ func TestSeenMarksExactlyThePagesServed(t *testing.T) {
 		t.Error("no record must answer \"may be\"")
 	}
 }
+
+// A successor given its predecessor's Encode knows what it knows: the
+// same pages may be cached, the others are known not to be; an encoding
+// of another model is refused and leaves the successor unknown.
+func TestSeenEncodeRestore(t *testing.T) {
+	old := NewSeen([]uint64{300, 10, 5000})
+	old.Mark(0, 60, 10)
+	old.Mark(2, 4999, 1)
+	b := old.Encode()
+
+	next := NewSeen([]uint64{300, 10, 5000})
+	next.SetUnknown()
+	next.Mark(1, 3, 1) // served by the successor before the state arrived
+	if err := next.Restore(b); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		table       uint32
+		first, n    uint64
+		want        bool
+		description string
+	}{
+		{0, 60, 10, true, "the predecessor's pages"}, {0, 0, 60, false, "pages nobody served"},
+		{2, 4999, 1, true, "the last page of a table"}, {2, 0, 4999, false, "the rest of it"},
+		{1, 3, 1, true, "a page the successor served itself"}, {1, 0, 3, false, "its neighbours"},
+	} {
+		if got := next.Any(c.table, c.first, c.n); got != c.want {
+			t.Errorf("%s: Any(%d, %d, %d) = %v, want %v", c.description, c.table, c.first, c.n, got, c.want)
+		}
+	}
+	if next.Count(0, 0, 300) != 10 {
+		t.Errorf("Count after Restore = %d, want 10", next.Count(0, 0, 300))
+	}
+
+	for name, bad := range map[string][]byte{
+		"another model": seenMarked([]uint64{300, 11, 5000}).Encode(),
+		"truncated":     b[:len(b)-1],
+		"foreign":       []byte("not an encoding"),
+	} {
+		s := NewSeen([]uint64{300, 10, 5000})
+		s.SetUnknown()
+		if err := s.Restore(bad); err == nil {
+			t.Errorf("%s: restored", name)
+		}
+		if !s.Any(0, 0, 1) {
+			t.Errorf("%s: a refused restore made the successor known", name)
+		}
+	}
+	unknown := NewSeen([]uint64{1})
+	unknown.SetUnknown()
+	if unknown.Encode() != nil {
+		t.Error("an unknown Seen encoded bits it cannot vouch for")
+	}
+}
+
+// seenMarked is a Seen of tables of pages with page 0 of each marked.
+func seenMarked(pages []uint64) *Seen {
+	s := NewSeen(pages)
+	for t := range pages {
+		s.Mark(uint32(t), 0, 1)
+	}
+	return s
+}

@@ -55,18 +55,8 @@ type restartReaderResult struct {
 // overlapping each restart, p99 across restarts) and the time to pin are
 // logged, not asserted (a shared machine).
 func TestRestartUnderReaders(t *testing.T) {
-	RequireFUSE(t)
-	spec := backing.DefaultSynth()
-	spec.Rows = 4096
-	dir := Synth(t, spec)
-	runDir := t.TempDir()
-	env := []string{"ENGRAMFS_RUN_DIR=" + runDir}
-	d := start(t, daemonproc.Options{ModelDir: dir, Flags: []string{"--cache-size=32MiB"}, Env: env})
+	d, dir, env, latest := startRestartable(t, "--cache-size=32MiB")
 	mp := d.Mountpoint
-	// Stop whichever daemon serves at the end, before the harness stops
-	// the first one (long gone: it handed over).
-	latest := 0
-	t.Cleanup(func() { stopLatest(t, mp, latest) })
 	handedTo := regexp.MustCompile(`handed the mount to pid (\d+)`)
 
 	stopFile := filepath.Join(t.TempDir(), "stop")
@@ -109,7 +99,7 @@ func TestRestartUnderReaders(t *testing.T) {
 		}
 		windows = append(windows, window{from, time.Now()})
 		if m := handedTo.FindSubmatch(b); m != nil {
-			latest, _ = strconv.Atoi(string(m[1]))
+			*latest, _ = strconv.Atoi(string(m[1]))
 		}
 		t.Logf("restart %d: %s", i+1, strings.TrimSpace(string(b)))
 		// The successor logs where the first daemon did; it pins the hot
@@ -173,6 +163,26 @@ func TestRestartUnderReaders(t *testing.T) {
 	t.Logf("reader: %d steps, 0 errors across %d restarts; step time p50 %v, p99 %v; "+
 		"the gap a reader sees during a restart (its longest step overlapping one) p99 %v, max %v",
 		res.Steps, restarts, quantile(all, 0.5), quantile(all, 0.99), quantile(gaps, 0.99), slices.Max(gaps))
+}
+
+// restartRows is the rows a table of startRestartable's model has.
+const restartRows = 4096
+
+// startRestartable mounts a synthetic model of restartRows rows with flags,
+// its handover socket in a directory of its own. The caller sets *latest
+// to the pid of the daemon it hands the mount to last: that one is
+// stopped at the end, before the harness stops the first one (long gone:
+// it handed over).
+func startRestartable(t *testing.T, flags ...string) (d *Daemon, modelDir string, env []string, latest *int) {
+	RequireFUSE(t)
+	spec := backing.DefaultSynth()
+	spec.Rows = restartRows
+	modelDir = Synth(t, spec)
+	env = []string{"ENGRAMFS_RUN_DIR=" + t.TempDir()}
+	d = start(t, daemonproc.Options{ModelDir: modelDir, Flags: flags, Env: env})
+	latest = new(int)
+	t.Cleanup(func() { stopLatest(t, d.Mountpoint, *latest) })
+	return d, modelDir, env, latest
 }
 
 // warnings are the lines of a daemon log above INFO.
@@ -502,4 +512,74 @@ func crashTakeover(t *testing.T, dir string, flags []string, before func(mp stri
 		return strings.Contains(log.String(), "took the mount over from the service manager")
 	})
 	return mp, log
+}
+
+// A successor is handed the pages its predecessor put in the page cache
+// (cache.Seen): a hint of rows nobody ever read is known uncached without
+// asking the kernel, as before the restart; rows another process faulted
+// in before the restart are looked up and found, not read again. Before,
+// a successor knew nothing and asked mincore of every page.
+func TestRestartCarriesServedPages(t *testing.T) {
+	d, _, env, latest := startRestartable(t, "--cache-size=0")
+	mp := d.Mountpoint
+	spec := backing.DefaultSynth()
+	spec.Rows = restartRows
+	m := Model(t, d.ModelDir)
+	rng := rand.New(rand.NewPCG(61, 62))
+	// Far apart, so no page and no lookup window (runs < 32 pages apart)
+	// holds rows of both: the first quarter of the rows, the last.
+	faulted := randomRows(rng, 30, uint64(spec.Rows)/4)
+	never := randomRows(rng, 30, uint64(spec.Rows)/4)
+	for i := range never {
+		never[i] += 3 * uint64(spec.Rows) / 4
+	}
+	// --cache-size=0: nothing is pinned, so a hint looks every page up.
+	// The mappings keep the table inodes known across the restart.
+	maps := layerMaps(t, d, m, 0)
+	faultInFromAnotherProcess(t, d, m, 0, faulted)
+
+	cmd := exec.Command(Binary(t), "restart", mp)
+	cmd.Env = append(os.Environ(), env...)
+	b, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("restart: %v\n%s\ndaemon log:\n%s", err, b, d.Log())
+	}
+	if m := regexp.MustCompile(`handed the mount to pid (\d+)`).FindSubmatch(b); m != nil {
+		*latest, _ = strconv.Atoi(string(m[1]))
+	}
+	h, err := client.Open(mp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	hint := func(rows []uint64) (lookups, skipped, reads uint64) {
+		t.Helper()
+		before := d.Stats(t)
+		if err := h.Decode(0, rows); err != nil {
+			t.Fatal(err)
+		}
+		st, err := h.Barrier()
+		if err != nil || st.Failed != 0 || st.Resident != st.Pages {
+			t.Fatalf("barrier %+v, %v", st, err)
+		}
+		after := d.Stats(t)
+		return after.PrefetchResidencyLookups - before.PrefetchResidencyLookups,
+			after.PrefetchResidencySkipped - before.PrefetchResidencySkipped,
+			after.BackingReads - before.BackingReads
+	}
+	lookups, skipped, reads := hint(never)
+	if lookups == 0 || skipped != lookups || reads == 0 {
+		t.Errorf("after a restart, a hint of rows nobody read: %d residency lookups, %d answered without mincore, %d backing reads; want all of them answered without it, and reads",
+			lookups, skipped, reads)
+	}
+	untilNoOutsideDrop(t, "hint of rows faulted in before the restart", func() error {
+		if err := allResident(t, maps, faulted); err != nil {
+			return err
+		}
+		lookups, skipped, reads := hint(faulted)
+		if lookups == 0 || skipped != 0 || reads != 0 {
+			return fmt.Errorf("after a restart, a hint of rows faulted in before it: %d lookups, %d without mincore, %d backing reads; want some, 0, 0", lookups, skipped, reads)
+		}
+		return nil
+	})
 }

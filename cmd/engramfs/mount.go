@@ -308,6 +308,7 @@ type daemon struct {
 	store   *backing.Store
 	hot     *cache.HotCache
 	srv     *fs.Server
+	seen    *cache.Seen // the pages this daemon put in the page cache
 	pf      *prefetch.Prefetcher
 	log     *zap.Logger
 
@@ -446,8 +447,9 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	}
 	seen := cache.NewSeen(pages)
 	if mf.takeover || os.Getenv("LISTEN_FDS") != "" {
-		seen.SetUnknown()
+		seen.SetUnknown() // until a handover's state says better (restart.go)
 	}
+	d.seen = seen
 	loader.SetSeen(seen)
 	if d.srv, err = fs.New(fs.Options{
 		Model: model, Loader: loader, ReadInto: readInto, Stats: st, Log: log, Seen: seen,

@@ -3,8 +3,9 @@ package main
 // engramfs restart: a new daemon takes the live mount over from the running
 // one (fs/handover.go), so no reader sees an error. The daemons meet on a
 // unix socket named after the mountpoint; the running one passes its
-// /dev/fuse descriptor (SCM_RIGHTS), the open handles and the hot set, and
-// exits without unmounting once its successor serves.
+// /dev/fuse descriptor (SCM_RIGHTS), the open handles, the hot set and the
+// pages served (cache.Seen), and exits without unmounting once its
+// successor serves.
 
 import (
 	"bufio"
@@ -84,6 +85,10 @@ type handoverMsg struct {
 	// state (the descriptors travel with its first byte)
 	Session fs.Session `json:"session"`
 	Hot     []byte     `json:"hot,omitempty"` // warm.Encode of the hot set
+	// Seen is cache.Seen.Encode of the pages the predecessor put in the
+	// page cache: the successor's residency lookups skip the others, and
+	// it counts their second reads (backing_pages_again).
+	Seen []byte `json:"seen,omitempty"`
 
 	Error string `json:"error,omitempty"`
 }
@@ -220,14 +225,22 @@ func (d *daemon) handOver(conn *net.UnixConn) error {
 	if err != nil {
 		d.log.Warn("handover: the hot set is not carried over", zap.Error(err))
 	}
+	// Taken once requests stopped coming in; a store still in flight may
+	// land after it, and the successor then only asks mincore of fewer
+	// pages than it could (and reads such a page again if a hint asks).
+	seen := d.seen.Encode()
+	if len(seen) > maxStateBytes/2 {
+		d.log.Warn("handover: the pages served are not carried over (too many tables)", zap.Int("bytes", len(seen)))
+		seen = nil
+	}
 	rights := unix.UnixRights(int(dev.Fd()), 1, 2)
 	if _, _, err := conn.WriteMsgUnix([]byte{'F'}, rights, nil); err != nil {
 		return resume(fmt.Errorf("handover: passing the descriptor: %w", err))
 	}
-	if err := json.NewEncoder(conn).Encode(handoverMsg{Op: "state", Session: sess, Hot: hot, Pid: os.Getpid()}); err != nil {
+	if err := json.NewEncoder(conn).Encode(handoverMsg{Op: "state", Session: sess, Hot: hot, Seen: seen, Pid: os.Getpid()}); err != nil {
 		return resume(fmt.Errorf("handover: sending the state: %w", err))
 	}
-	d.log.Info("handover: descriptor, handles and hot set passed", zap.Int("handles", len(sess.Handles)),
+	d.log.Info("handover: descriptor, handles, hot set and pages served passed", zap.Int("handles", len(sess.Handles)),
 		zap.Int("hot_pages", len(keys)), zap.Duration("took", time.Since(start)))
 	_ = conn.SetReadDeadline(time.Now().Add(handoverServing))
 	var m handoverMsg
@@ -333,6 +346,11 @@ func (d *daemon) takeOver(mountpoint string) error {
 			d.log.Warn("takeover: the predecessor's hot set is not usable", zap.Error(err))
 		}
 		d.warmKeys = keys
+	}
+	if len(m.Seen) > 0 {
+		if err := d.seen.Restore(m.Seen); err != nil {
+			d.log.Warn("takeover: the predecessor's served pages are not usable; every residency lookup asks the kernel", zap.Error(err))
+		}
 	}
 	d.pred = &predecessor{conn: conn, pid: m.Pid}
 	d.inherited = true
