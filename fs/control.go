@@ -104,6 +104,7 @@ var (
 // (fuse_dio_lock), so one rank's write never waits for another's. STREAM:
 // writes and reads happen at position 0 (no pread/pwrite), which with
 // ControlSize keeps every write inside the file, as the shared lock needs.
+// NOFLUSH: see noFlush.
 func (c *controlFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if caller, ok := fuse.FromContext(ctx); ok && caller.Uid != c.r.o.uid {
 		return nil, 0, syscall.EACCES
@@ -112,8 +113,17 @@ func (c *controlFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, 
 		return nil, 0, syscall.ENFILE
 	}
 	h := &controlHandle{c: c, dec: hints.NewStreamDecoder(c.r.o.Model), b: prefetch.NewBarrier(), layer: stats.BarrierNoLayer}
-	return h, fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES | fuse.FOPEN_STREAM, 0
+	return h, fuse.FOPEN_DIRECT_IO | fuse.FOPEN_PARALLEL_DIRECT_WRITES | fuse.FOPEN_STREAM | noFlush, 0
 }
+
+// noFlush is FOPEN_NOFLUSH, which every file of the tree is opened with:
+// the kernel then sends no FLUSH at each close(2) of a handle, a round trip
+// to the daemon that does nothing here (nothing is written back). Without
+// it a close, or an exec that closes a close-on-exec handle, waits for a
+// daemon: after a crash it hung until a successor served, and a process
+// that held a hint handle and started that successor itself never returned
+// from starting it (TestCrashTakeoverHinterReopens).
+const noFlush = fuse.FOPEN_NOFLUSH
 
 // takeHandle counts one more open handle, or refuses it (counted, logged)
 // when Options.ControlHandles are open already.

@@ -122,7 +122,7 @@ func (f *modelFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 	if !ownOpen(ctx) {
 		h.ra = &readAhead{size: f.f.Identity.Size, fill: h.fill, store: f.EmbeddedInode().WriteCache}
 	}
-	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
+	return h, fuse.FOPEN_KEEP_CACHE | noFlush, 0
 }
 
 // modelHandle is one open of a model file.

@@ -122,7 +122,7 @@ func (f *memFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint
 	if flags&writeFlags != 0 {
 		return nil, 0, syscall.EROFS
 	}
-	return nil, fuse.FOPEN_KEEP_CACHE, 0
+	return nil, fuse.FOPEN_KEEP_CACHE | noFlush, 0
 }
 
 func (f *memFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {

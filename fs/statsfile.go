@@ -30,7 +30,7 @@ func (f *statsFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 	if flags&writeFlags != 0 {
 		return nil, 0, syscall.EROFS
 	}
-	return &statsHandle{data: f.st.JSON()}, fuse.FOPEN_DIRECT_IO, 0
+	return &statsHandle{data: f.st.JSON()}, fuse.FOPEN_DIRECT_IO | noFlush, 0
 }
 
 func (f *statsFile) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {

@@ -60,7 +60,7 @@ func (f *tableFile) Open(ctx context.Context, flags uint32) (gofs.FileHandle, ui
 		h = &tableHandle{readAhead{size: f.t.FileSize, trigger: 2*f.t.RowBytes + cache.PageSize,
 			fill: f.fill, read: f.readInto, store: f.writeCache}}
 	}
-	return h, fuse.FOPEN_KEEP_CACHE | fuse.FOPEN_NOFLUSH, 0
+	return h, fuse.FOPEN_KEEP_CACHE | noFlush, 0
 }
 
 // tableHandle is a reader's open table file.

@@ -583,3 +583,70 @@ func TestRestartCarriesServedPages(t *testing.T) {
 		return nil
 	})
 }
+
+// TestCrashTakeoverHinterReopens: a hint handle the crashed daemon alone
+// knew is an orphan for its successor, which answers it EBADF; the Go
+// client reopens the control file once and sends the frame again, so an
+// engine's Hinter keeps working across a crash without a word: its next
+// step's hints and barrier succeed, and the rows are resident after it.
+func TestCrashTakeoverHinterReopens(t *testing.T) {
+	RequireFUSE(t)
+	spec := backing.DefaultSynth()
+	spec.Rows = 1024
+	dir := Synth(t, spec)
+	m := Model(t, dir)
+	var h *client.Hinter
+	var watchdog *time.Timer
+	mp, log := crashTakeover(t, dir, []string{"--cache-size=8MiB"}, func(mp string) {
+		// Were a close to wait for the dead daemon again (FLUSH), starting
+		// the successor from this process would never return, nor would
+		// this process exit: after a minute, abort the connection so that
+		// the test fails instead.
+		var st unix.Stat_t
+		if err := unix.Stat(mp, &st); err != nil {
+			t.Fatal(err)
+		}
+		watchdog = time.AfterFunc(time.Minute, func() {
+			p := fmt.Sprintf("/sys/fs/fuse/connections/%d/abort", unix.Minor(st.Dev))
+			_ = os.WriteFile(p, []byte("1"), 0)
+		})
+		var err error
+		if h, err = client.Open(mp); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Decode(0, []uint64{1, 2, 3}); err != nil {
+			t.Fatal(err)
+		}
+		if st, err := h.Barrier(); err != nil || st.Failed != 0 {
+			t.Fatalf("before the crash: barrier %+v, %v", st, err)
+		}
+	})
+	if !watchdog.Stop() {
+		t.Fatal("starting the successor took a minute: a close of a hint handle waited for the dead daemon (the connection was aborted)")
+	}
+	defer h.Close() // before the successor stops (crashTakeover's cleanup)
+	rows := []uint64{100, 500, 900}
+	if err := h.Decode(0, rows); err != nil {
+		t.Fatalf("the first hint after the crash: %v\nthe successor's log:\n%s", err, log.String())
+	}
+	st, err := h.Barrier()
+	if err != nil || st.Failed != 0 || st.Pages == 0 || st.Resident != st.Pages {
+		t.Fatalf("the first barrier after the crash: %+v, %v\nthe successor's log:\n%s", st, err, log.String())
+	}
+	tbs := m.LayerTables(0)
+	maps := map[*backing.Table][]byte{}
+	for _, tb := range tbs {
+		f, err := os.Open(filepath.Join(mp, tb.Path()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		b, err := unix.Mmap(int(f.Fd()), 0, int(tb.FileSize), unix.PROT_READ, unix.MAP_SHARED)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Munmap(b)
+		maps[tb] = b
+	}
+	untilNoOutsideDrop(t, "rows hinted after the crash", func() error { return allResident(t, maps, rows) })
+}
