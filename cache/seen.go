@@ -124,14 +124,22 @@ func (s *Seen) Mark(table uint32, first, n uint64) {
 		return
 	}
 	words := s.bitmap(table)
-	end := min(first+n, s.pages[table])
+	forWords(*words, first, min(first+n, s.pages[table]), func(w *atomic.Uint64, mask uint64) bool {
+		if w.Load()&mask != mask {
+			w.Or(mask)
+		}
+		return true
+	})
+}
+
+// forWords calls f with each word of words that holds pages [first, end)
+// and the mask of those pages in it, until f returns false.
+func forWords(words []atomic.Uint64, first, end uint64, f func(w *atomic.Uint64, mask uint64) bool) {
 	for pg := first; pg < end; {
-		w := pg / 64
 		bit := pg % 64
 		span := min(64-bit, end-pg)
-		mask := ^uint64(0) >> (64 - span) << bit
-		if (*words)[w].Load()&mask != mask {
-			(*words)[w].Or(mask)
+		if !f(&words[pg/64], ^uint64(0)>>(64-span)<<bit) {
+			return
 		}
 		pg += span
 	}
@@ -147,18 +155,12 @@ func (s *Seen) Any(table uint32, first, n uint64) bool {
 	if words == nil {
 		return false
 	}
-	end := min(first+n, s.pages[table])
-	for pg := first; pg < end; {
-		w := pg / 64
-		bit := pg % 64
-		span := min(64-bit, end-pg)
-		mask := ^uint64(0) >> (64 - span) << bit
-		if (*words)[w].Load()&mask != 0 {
-			return true
-		}
-		pg += span
-	}
-	return false
+	found := false
+	forWords(*words, first, min(first+n, s.pages[table]), func(w *atomic.Uint64, mask uint64) bool {
+		found = w.Load()&mask != 0
+		return !found
+	})
+	return found
 }
 
 // Count is how many pages of [first, first+n) of table were ever served or
@@ -172,15 +174,10 @@ func (s *Seen) Count(table uint32, first, n uint64) uint64 {
 		return 0
 	}
 	var c uint64
-	end := min(first+n, s.pages[table])
-	for pg := first; pg < end; {
-		w := pg / 64
-		bit := pg % 64
-		span := min(64-bit, end-pg)
-		mask := ^uint64(0) >> (64 - span) << bit
-		c += uint64(bits.OnesCount64((*words)[w].Load() & mask))
-		pg += span
-	}
+	forWords(*words, first, min(first+n, s.pages[table]), func(w *atomic.Uint64, mask uint64) bool {
+		c += uint64(bits.OnesCount64(w.Load() & mask))
+		return true
+	})
 	return c
 }
 
