@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -370,4 +371,63 @@ func TestUringQueueThreadDescheduled(t *testing.T) {
 		}
 	}
 	checkFromEveryCPU(t, d)
+}
+
+// TestIdleUringMountIsNotIOWait: an idle mount on the rings must not count
+// as iowait. Every queue thread sleeps in io_uring_enter beside its fetch
+// commands, requests in flight for the kernel's accounting: before
+// IORING_ENTER_NO_IOWAIT, an idle daemon on 2 CPUs put 129 threads in
+// iowait (vmstat's "b" at 129, "wa" at 100%, the node's I/O pressure at
+// 100%) for as long as it ran. Which threads sleep as iowait is not
+// readable per thread here, so this compares the system's count of them
+// (procs_blocked) with the daemon running idle and stopped (SIGSTOP takes
+// its threads out of the wait), a few times in turn, so that the other
+// I/O of the machine is in both.
+func TestIdleUringMountIsNotIOWait(t *testing.T) {
+	setEnableUring(t, true)
+	d := Mount(t, uringModel(t), "--fuse-transport", "uring", "--cache-size", "0")
+	tb := Model(t, d.ModelDir).Tables[0]
+	if err := readTableByPages(d, tb, ShardTable(t, d.ModelDir, tb.Name)); err != nil {
+		t.Fatal(err)
+	}
+	pid := d.Pid()
+	t.Cleanup(func() { _ = unix.Kill(pid, unix.SIGCONT) })
+	blocked := func() int {
+		sum := 0
+		for range 5 {
+			b, err := os.ReadFile("/proc/stat")
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, rest, _ := strings.Cut(string(b), "procs_blocked ")
+			var n int
+			fmt.Sscan(rest, &n)
+			sum += n
+			time.Sleep(20 * time.Millisecond)
+		}
+		return sum / 5
+	}
+	var diffs []int
+	for range 5 {
+		time.Sleep(200 * time.Millisecond) // asleep again after SIGCONT
+		running := blocked()
+		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+		stopped := blocked()
+		if err := unix.Kill(pid, unix.SIGCONT); err != nil {
+			t.Fatal(err)
+		}
+		diffs = append(diffs, running-stopped)
+	}
+	slices.Sort(diffs)
+	t.Logf("tasks in iowait, the daemon running idle less stopped: %v", diffs)
+	if med := diffs[len(diffs)/2]; med >= 8 {
+		t.Errorf("an idle daemon on the rings keeps %d threads in iowait (median of %v)", med, diffs)
+	}
+	// Still serving after the stops.
+	if err := readTableByPages(d, tb, ShardTable(t, d.ModelDir, tb.Name)); err != nil {
+		t.Fatal(err)
+	}
 }

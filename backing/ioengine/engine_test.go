@@ -103,7 +103,7 @@ func TestUringBatches(t *testing.T) {
 func TestUringSubmitsOnlyFromTheReaper(t *testing.T) {
 	var mu sync.Mutex
 	tids := map[int]int{}
-	enterHook = func(toSubmit uint32) {
+	enterHook = func(toSubmit, _ uint32) {
 		if toSubmit > 0 {
 			mu.Lock()
 			tids[unix.Gettid()]++

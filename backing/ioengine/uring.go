@@ -178,14 +178,14 @@ func enterError(err error) error {
 
 // enterHook, if set (by tests, before any ring exists), hears every
 // io_uring_enter on the calling thread.
-var enterHook func(toSubmit uint32)
+var enterHook func(toSubmit, flags uint32)
 
 // enter is io_uring_enter(2) without a signal mask. It blocks in the
 // kernel when waiting, as any blocking syscall does in Go (the P is handed
 // off), so it is fine to call from a goroutine.
 func (r *ring) enter(toSubmit, minComplete, flags uint32) (int, error) {
 	if enterHook != nil {
-		enterHook(toSubmit)
+		enterHook(toSubmit, flags)
 	}
 	return r.syscallEnter(toSubmit, minComplete, flags)
 }

@@ -63,6 +63,9 @@ type uringEngine struct {
 	// and 8 bytes would land in that file.
 	wakers     int  // GUARDED_BY(mu)
 	reaperGone bool // GUARDED_BY(mu)
+	// idlePoll: the reaper idles in poll(2), not in io_uring_enter (see
+	// sleepIdleLocked): the kernel lacks ioring.EnterNoIOWait.
+	idlePoll bool
 	// failed is set when io_uring_enter fails for good: every read then
 	// fails with it, and the reaper is gone.
 	failed error // GUARDED_BY(mu)
@@ -100,6 +103,7 @@ func newUring(queueDepth int) (*uringEngine, error) {
 		slots:      make([]slot, depth),
 		free:       make([]uint32, depth),
 		reaperDone: make(chan struct{}),
+		idlePoll:   r.NoIOWait() == 0 || forceIdlePoll,
 	}
 	for i := range e.free {
 		e.free[i] = uint32(depth - 1 - i)
@@ -107,6 +111,10 @@ func newUring(queueDepth int) (*uringEngine, error) {
 	go e.reaper()
 	return e, nil
 }
+
+// forceIdlePoll, set only by tests (before an engine starts), makes the
+// reaper idle in poll(2) where the kernel has ioring.EnterNoIOWait too.
+var forceIdlePoll bool
 
 func (e *uringEngine) Name() string { return "io_uring" }
 
@@ -257,6 +265,28 @@ func strand(reqs []*Req) {
 	stranded.Unlock()
 }
 
+// sleepIdleLocked sleeps in poll(2) on the eventfd until a Submit or Close
+// writes it; mu is held on entry and released on return. It is the idle
+// wait on kernels without ioring.EnterNoIOWait (6.5-6.14): there a reaper
+// asleep in io_uring_enter beside its pending eventfd poll counts as a CPU
+// in iowait for as long as the daemon idles. No read is in flight and no
+// poll is armed, so no task work can be waiting for this thread.
+func (e *uringEngine) sleepIdleLocked() {
+	e.reaperAwake = false
+	e.mu.Unlock()
+	fds := []unix.PollFd{{Fd: int32(e.efd), Events: unix.POLLIN}}
+	for {
+		if _, err := unix.Poll(fds, -1); err != unix.EINTR {
+			break
+		}
+	}
+	e.mu.Lock()
+	var buf [8]byte
+	_, _ = unix.Read(e.efd, buf[:])
+	e.woken, e.reaperAwake = false, true
+	e.mu.Unlock()
+}
+
 // inFlightLocked is how many slots hold a read.
 func (e *uringEngine) inFlightLocked() int { return len(e.slots) - len(e.free) }
 
@@ -277,6 +307,22 @@ func (e *uringEngine) reaper() {
 			return
 		}
 		e.fillLocked()
+		// Idle: no read in flight, only the eventfd poll would be. Such a
+		// wait is not iowait (ioring.NoIOWait); a wait with reads in
+		// flight is.
+		flags := uint32(ioringEnterGetEvents)
+		if idle := e.inFlightLocked() == 0; idle && e.idlePoll {
+			if !armed {
+				e.sleepIdleLocked() // unlocks
+				continue
+			}
+			// The poll armed while reads were in flight is pending:
+			// complete it (an eventfd write of our own) and reap it below,
+			// so that the ring holds nothing when we sleep.
+			_, _ = unix.Write(e.efd, []byte{1, 0, 0, 0, 0, 0, 0, 0})
+		} else if idle {
+			flags |= e.r.NoIOWait()
+		}
 		if !armed {
 			e.r.pushPollIn(e.efd, wakeUserData)
 			armed = true
@@ -285,7 +331,7 @@ func (e *uringEngine) reaper() {
 		e.reaperAwake = false
 		e.mu.Unlock()
 
-		_, err := e.r.enter(n, 1, ioringEnterGetEvents)
+		_, err := e.r.enter(n, 1, flags)
 		e.enters.Add(1)
 		switch err {
 		case nil, unix.EINTR:

@@ -210,7 +210,8 @@ func (e *entry) push(cmd uint32, commitID uint64) {
 func (e *entry) serve(ps *fuse.ProtocolServer) bool {
 	var cqes []ioring.CQE
 	for {
-		_, err := e.r.Enter(e.r.Unsubmitted(), 1, ioring.EnterGetEvents)
+		// A queue waits for requests, not for I/O: no iowait (NoIOWait).
+		_, err := e.r.Enter(e.r.Unsubmitted(), 1, ioring.EnterGetEvents|e.r.NoIOWait())
 		e.t.enters.Add(1)
 		if err != nil && !errors.Is(err, unix.EINTR) && !errors.Is(err, unix.EAGAIN) && !errors.Is(err, unix.EBUSY) {
 			// Nothing a retry changes (EBADF, EFAULT, EPERM): this entry's

@@ -30,9 +30,14 @@ const (
 	SetupDeferTaskrun = 1 << 13
 
 	featSingleMmap = 1 << 0
+	// featNoIOWait: the kernel takes EnterNoIOWait (6.15+).
+	featNoIOWait = 1 << 17
 
 	// EnterGetEvents makes Enter wait for completions.
 	EnterGetEvents = 1 << 0
+	// EnterNoIOWait keeps a wait in Enter from counting as iowait; see
+	// NoIOWait.
+	EnterNoIOWait = 1 << 7
 
 	// MaxEntries is the kernel's IORING_MAX_ENTRIES.
 	MaxEntries = 32768
@@ -226,6 +231,21 @@ func (r *Ring[S]) Enter(toSubmit, minComplete, flags uint32) (int, error) {
 		return int(n), errno
 	}
 	return int(n), nil
+}
+
+// NoIOWait is EnterNoIOWait where the kernel takes it, else 0. Since 6.5
+// a thread waiting in io_uring_enter while any request of its ring is in
+// flight sleeps as iowait: a ring that always holds a request it does not
+// expect to complete soon (a FUSE queue's fetch commands, an eventfd poll)
+// makes an idle daemon show one CPU in iowait and the node's I/O pressure
+// at 100% for as long as it runs (vmstat, node exporters, PSI alerts).
+// Waits for such requests pass it; waits for disk reads do not (iowait is
+// what they are). Kernels 6.5-6.14 have the accounting and not the flag.
+func (r *Ring[S]) NoIOWait() uint32 {
+	if r.Features&featNoIOWait != 0 {
+		return EnterNoIOWait
+	}
+	return 0
 }
 
 // Reap copies every available CQE into dst and releases their slots.
