@@ -650,3 +650,67 @@ func TestCrashTakeoverHinterReopens(t *testing.T) {
 	}
 	untilNoOutsideDrop(t, "rows hinted after the crash", func() error { return allResident(t, maps, rows) })
 }
+
+// TestCrashTakeoverPythonHinterReopens is TestCrashTakeoverHinterReopens
+// for the Python client, in a process of its own that holds its hint
+// handle across the crash: its first wait after the takeover gets EBADF
+// (the successor never opened that handle) and reopens, and the hints it
+// sends next are served and resident at their wait.
+func TestCrashTakeoverPythonHinterReopens(t *testing.T) {
+	RequireFUSE(t)
+	spec := backing.DefaultSynth()
+	spec.Rows = 1024
+	dir := Synth(t, spec)
+	const script = `
+import json, sys
+sys.path.insert(0, "../hints/python")
+import engramfs_hints as eh
+h = eh.Hinter(sys.argv[1])
+h.decode(0, [1, 2, 3])
+s = h.wait()
+print("BEFORE", json.dumps(s), flush=True)
+sys.stdin.readline()  # the daemon is killed and taken over meanwhile
+h.wait()              # EBADF: reopens
+h.decode(0, [100, 500, 900])
+print("AFTER", json.dumps(h.wait()), flush=True)
+h.close()
+`
+	var py *exec.Cmd
+	var stdin io.WriteCloser
+	out := &syncBuffer{}
+	mp, log := crashTakeover(t, dir, []string{"--cache-size=8MiB"}, func(mp string) {
+		py = exec.Command("/usr/bin/python3", "-B", "-c", script, mp)
+		py.Stdout, py.Stderr = out, out
+		var err error
+		if stdin, err = py.StdinPipe(); err != nil {
+			t.Fatal(err)
+		}
+		if err := py.Start(); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, "the Python client's first barrier", func() bool { return strings.Contains(out.String(), "BEFORE") })
+	})
+	defer func() { _ = py.Process.Kill() }() // before the successor stops, if the test failed
+	if _, err := io.WriteString(stdin, "go\n"); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- py.Wait() }()
+	select {
+	case err := <-exited:
+		if err != nil {
+			t.Fatalf("the Python client after the takeover: %v\n%s\nthe successor's log:\n%s", err, out.String(), log.String())
+		}
+	case <-time.After(time.Minute):
+		t.Fatalf("the Python client did not finish a minute after the takeover (mount %s):\n%s", mp, out.String())
+	}
+	_, after, ok := strings.Cut(out.String(), "AFTER ")
+	var st struct{ Pages, Resident, Failed int }
+	if !ok || json.Unmarshal([]byte(strings.TrimSpace(after)), &st) != nil {
+		t.Fatalf("no barrier after the takeover in the client's output:\n%s", out.String())
+	}
+	t.Logf("the client: %s", out.String())
+	if st.Pages == 0 || st.Resident != st.Pages || st.Failed != 0 {
+		t.Fatalf("the first barrier after the takeover: %+v (want every hinted page resident)\n%s", st, out.String())
+	}
+}
