@@ -164,20 +164,25 @@ func (e *uringEngine) wakeLocked() bool {
 // wake writes the eventfd the reaper polls, then closes it if the engine
 // was closed meanwhile and this was the last writer.
 func (e *uringEngine) wake() {
-	one := [8]byte{1}
-	for {
-		_, err := unix.Write(e.efd, one[:])
-		if err != unix.EINTR {
-			// EAGAIN: the counter is full, so the poll has fired already.
-			break
-		}
-	}
+	e.signal()
 	e.mu.Lock()
 	e.wakers--
 	last := e.wakers == 0 && e.reaperGone
 	e.mu.Unlock()
 	if last {
 		_ = unix.Close(e.efd)
+	}
+}
+
+// signal writes the eventfd the reaper polls.
+func (e *uringEngine) signal() {
+	one := [8]byte{1}
+	for {
+		_, err := unix.Write(e.efd, one[:])
+		if err != unix.EINTR {
+			// EAGAIN: the counter is full, so the poll has fired already.
+			return
+		}
 	}
 }
 
@@ -319,7 +324,7 @@ func (e *uringEngine) reaper() {
 			// The poll armed while reads were in flight is pending:
 			// complete it (an eventfd write of our own) and reap it below,
 			// so that the ring holds nothing when we sleep.
-			_, _ = unix.Write(e.efd, []byte{1, 0, 0, 0, 0, 0, 0, 0})
+			e.signal()
 		} else if idle {
 			flags |= e.r.NoIOWait()
 		}
