@@ -51,6 +51,11 @@ type HotCache struct {
 	// gatherWaits, when set (tests, before the first Admit), hears the
 	// worker start waiting for a batch to fill, with the pages queued.
 	gatherWaits func(queued int)
+	// demand, when set (SetDemand), says whether demand work is pending:
+	// nil when none is, else a channel closed once none is. pinYield is
+	// the most a batch waits for it; tests change it.
+	demand   func() <-chan struct{} // GUARDED_BY(mu)
+	pinYield time.Duration          // GUARDED_BY(mu)
 
 	kick chan struct{} // capacity 1: there is work
 	stop chan struct{}
@@ -99,6 +104,7 @@ func NewHotCache(capacityBytes int64, p *Pinner, st *stats.Counters, log *zap.Lo
 		dropLog:       rateLimit{every: time.Second},
 		pinDelay:      pinDelay,
 		faultPinDelay: faultPinDelay,
+		pinYield:      pinYield,
 	}
 	h.maxQueued = max(minMaxQueued, 2*h.tier.Capacity())
 	h.cond = sync.NewCond(&h.mu)
@@ -287,7 +293,7 @@ func (h *HotCache) work() {
 		// taking them at once pinned a lone page per round, and left a
 		// batch split across two rounds short of full, waiting out its
 		// whole delay (TestHotCacheGathersPins' flake in CI).
-		for h.gather() && h.applyQueued() {
+		for h.gather() && h.yieldToDemand() && h.applyQueued() {
 		}
 	}
 }
@@ -297,17 +303,76 @@ func (h *HotCache) work() {
 // its context switches (measured: 4.96 a fault with the tier against 2.12
 // without, and 36% fewer faults a second). So the worker gathers: after the
 // first page of a batch it waits for pinBatch pages, unless Flush waits, at
-// most pinDelay when a hint admitted pages (a hinted page is skipped by the
-// next hint only once pinned: a longer wait would read it again), else
-// faultPinDelay (measured, single-threaded faults with the tier on: 3.6
-// context switches a fault gathering 2 ms, 2.6 gathering 20 ms, 2.5 with the
-// tier off). The pages are in the page cache meanwhile (they were just
-// faulted or stored); only their locking waits.
+// most pinDelay when a hint admitted pages, else faultPinDelay (measured,
+// single-threaded faults with the tier on: 3.6 context switches a fault
+// gathering 2 ms, 2.6 gathering 20 ms, 2.5 with the tier off). The pages are in the page cache meanwhile (they were just
+// faulted or stored); only their locking waits. A gathered batch then waits
+// for pending demand work (yieldToDemand).
 const (
 	pinBatch      = 64
 	pinDelay      = 2 * time.Millisecond
 	faultPinDelay = 20 * time.Millisecond
+	// pinYield: see yieldToDemand.
+	pinYield = 4 * time.Millisecond
 )
+
+// SetDemand gives the worker a way to keep out of demand work's way:
+// busy returns nil when no demand work is pending, else a channel closed
+// once none is (the prefetcher's decode work: Prefetcher.DecodeBusy). It is
+// called without the tier's lock held.
+func (h *HotCache) SetDemand(busy func() <-chan struct{}) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.demand = busy
+}
+
+// yieldToDemand holds a gathered batch back while demand work is pending,
+// at most pinYield, and not while a Flush waits; false when the cache
+// stops. Pinning a page costs the worker a read through the mount, a
+// populate (a minor fault, 20-40 µs on these VMs), an mlock and the charge
+// lookups: pinning a decode step's new pages while that step's reads were
+// being stored took the step's CPU on two cores. The pages are resident
+// meanwhile (a hint's residency lookup finds them cached); only their
+// locking waits.
+//
+// The bound decides it (serving loop, `engramfs bench --serve
+// --serve-requests 6`, engramfs+hints against v3 on the shards, decode p50,
+// interleaved runs, 2026-12-05): with 4 ms, big ×1 1.28-1.43× v3 against
+// 1.80-2.13× without (three pairs; hints + barrier 2.49-2.66 ms against
+// 3.57-3.86), flash ×1 1.57-1.65 against 1.81-2.00, flash ×4 1.19-1.48
+// against 1.22-1.56 with prefill 0.71-0.92 against 0.83-0.89, big ×4 0.64
+// against 0.60 (prefill 0.61 against 0.50). With 20 ms, several ranks
+// keep decode work pending nearly all the time and the pins fell behind:
+// flash ×4 prefill 2.55× v3 against 0.83 and decode 1.92 against 1.47.
+func (h *HotCache) yieldToDemand() bool {
+	h.mu.Lock()
+	busy, yield := h.demand, h.pinYield
+	h.mu.Unlock()
+	if busy == nil {
+		return true
+	}
+	deadline := time.Now().Add(yield)
+	for {
+		ch := busy()
+		h.mu.Lock()
+		flushing := h.flushing > 0
+		h.mu.Unlock()
+		wait := time.Until(deadline)
+		if ch == nil || flushing || wait <= 0 {
+			return true
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ch:
+		case <-h.kick: // perhaps a Flush: look again
+		case <-t.C:
+		case <-h.stop:
+			t.Stop()
+			return false
+		}
+		t.Stop()
+	}
+}
 
 // gather waits until the queue holds pinBatch pages, Flush waits, or the
 // delay since the queue's oldest page was queued has passed; false when the

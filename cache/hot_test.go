@@ -639,15 +639,7 @@ func TestHotCacheGathersPins(t *testing.T) {
 
 	waitPinned := func(what string, pages ...uint64) {
 		t.Helper()
-		deadline := time.Now().Add(time.Minute)
-		for _, pg := range pages {
-			for !h.Pinned(pk(pg)) {
-				if time.Now().After(deadline) {
-					t.Fatalf("page %d not pinned after a minute (no Flush): %s", pg, what)
-				}
-				time.Sleep(time.Millisecond)
-			}
-		}
+		waitPinned(t, h, what+" (no Flush)", pages...)
 	}
 	h.Admit([]PageKey{pk(1)}, SignalFault)
 	time.Sleep(50 * time.Millisecond) // the worker gathers now
@@ -679,4 +671,75 @@ func TestHotCacheGathersPins(t *testing.T) {
 	// A hint's page on an empty queue: the worker gathers briefly.
 	h.Admit([]PageKey{pk(hinted + 1)}, SignalDecode)
 	waitPinned("a hint's page gathers as long as a fault's", hinted+1)
+}
+
+// TestHotCacheYieldsToDemand: a gathered batch waits while demand work is
+// pending (SetDemand), is pinned once it is done, never waits for a Flush,
+// and waits at most pinYield when demand never ends.
+func TestHotCacheYieldsToDemand(t *testing.T) {
+	f := sparseFile(t, 256)
+	h, _, _ := newHot(t, 200, zap.NewNop(), f)
+	var mu sync.Mutex
+	busy := make(chan struct{})
+	h.SetDemand(func() <-chan struct{} {
+		mu.Lock()
+		defer mu.Unlock()
+		return busy
+	})
+	// Set before the first Admit's kick: no race.
+	h.pinDelay, h.pinYield = time.Millisecond, time.Hour
+
+	h.Admit([]PageKey{pk(0), pk(1)}, SignalDecode)
+	time.Sleep(50 * time.Millisecond) // a worker that does not yield has pinned them by now
+	if h.Pinned(pk(0)) || h.Pinned(pk(1)) {
+		t.Fatal("pages pinned while demand work was pending")
+	}
+	mu.Lock()
+	close(busy)
+	busy = nil
+	mu.Unlock()
+	waitPinned(t, h, "demand done", 0, 1)
+
+	// Demand pending again: a Flush does not wait for it.
+	mu.Lock()
+	busy = make(chan struct{})
+	mu.Unlock()
+	h.Admit([]PageKey{pk(2)}, SignalDecode)
+	time.Sleep(20 * time.Millisecond)
+	flushed := make(chan struct{})
+	go func() { h.Flush(); close(flushed) }()
+	select {
+	case <-flushed:
+	case <-time.After(time.Minute):
+		t.Fatal("Flush waited for demand work")
+	}
+	if !h.Pinned(pk(2)) {
+		t.Fatal("page 2 not pinned after Flush")
+	}
+}
+
+// TestHotCacheDemandNeverStarvesPins: demand that never ends holds a batch
+// back for pinYield at most.
+func TestHotCacheDemandNeverStarvesPins(t *testing.T) {
+	f := sparseFile(t, 64)
+	h, _, _ := newHot(t, 32, zap.NewNop(), f)
+	forever := make(chan struct{})
+	h.SetDemand(func() <-chan struct{} { return forever })
+	h.pinDelay, h.pinYield = time.Millisecond, 10*time.Millisecond
+	h.Admit([]PageKey{pk(3)}, SignalDecode)
+	waitPinned(t, h, "demand that never ends", 3)
+}
+
+// waitPinned waits up to a minute for pages to be pinned.
+func waitPinned(t *testing.T, h *HotCache, what string, pages ...uint64) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for _, pg := range pages {
+		for !h.Pinned(pk(pg)) {
+			if time.Now().After(deadline) {
+				t.Fatalf("page %d not pinned after a minute: %s", pg, what)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
 }

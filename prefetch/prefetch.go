@@ -481,6 +481,15 @@ func (p *Prefetcher) submitRuns(b *Barrier, runs []pageRun, decode, admitDecode 
 	p.wakeFetch()
 }
 
+// DecodeBusy returns nil when no decode work is pending, else a channel
+// closed once none is: the hot tier holds its pinning back meanwhile
+// (cache.HotCache.SetDemand).
+func (p *Prefetcher) DecodeBusy() <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.c.decodeBusy()
+}
+
 // admitSlice is how many pages submitRuns admits per hold of p.mu.
 const admitSlice = 1024
 

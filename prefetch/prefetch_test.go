@@ -389,10 +389,7 @@ func TestPrefillAdmittedWhileDecodePending(t *testing.T) {
 	m := testModel(t, 200000)
 	p := heldPrefetcher(t, m)
 	p.Submit(hints.Decode, 0, []uint64{1}, NewBarrier())
-	p.mu.Lock()
-	busy := p.c.decodeBusy() != nil
-	p.mu.Unlock()
-	if !busy {
+	if p.DecodeBusy() == nil {
 		t.Fatal("a decode page is pending, yet decode is not busy")
 	}
 	rows := make([]uint64, 50*admitSlice)

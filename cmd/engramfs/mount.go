@@ -466,6 +466,9 @@ func startDaemon(modelDir, mountpoint string, mf mountFlags, log *zap.Logger) (_
 	pcfg.PrefillQueuePages = mf.prefillQueue
 	pcfg.DecodeQueuePages = mf.decodeQueue
 	d.pf = prefetch.New(pcfg, model, loader, d.srv, d.hot, st, log)
+	if d.hot != nil {
+		d.hot.SetDemand(d.pf.DecodeBusy)
+	}
 	d.srv.Connect(d.pf, d.pf)
 	// Ready means a reader can use the tree: Serve checks it answers,
 	// through the kernel, before it returns (and so before the log, the
