@@ -305,9 +305,10 @@ func (h *HotCache) work() {
 // first page of a batch it waits for pinBatch pages, unless Flush waits, at
 // most pinDelay when a hint admitted pages, else faultPinDelay (measured,
 // single-threaded faults with the tier on: 3.6 context switches a fault
-// gathering 2 ms, 2.6 gathering 20 ms, 2.5 with the tier off). The pages are in the page cache meanwhile (they were just
-// faulted or stored); only their locking waits. A gathered batch then waits
-// for pending demand work (yieldToDemand).
+// gathering 2 ms, 2.6 gathering 20 ms, 2.5 with the tier off). The pages
+// are in the page cache meanwhile (they were just faulted or stored); only
+// their locking waits. A gathered batch then waits for pending demand work
+// (yieldToDemand).
 const (
 	pinBatch      = 64
 	pinDelay      = 2 * time.Millisecond

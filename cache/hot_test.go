@@ -637,10 +637,6 @@ func TestHotCacheGathersPins(t *testing.T) {
 		t.Fatal("page 0 not pinned after Flush")
 	}
 
-	waitPinned := func(what string, pages ...uint64) {
-		t.Helper()
-		waitPinned(t, h, what+" (no Flush)", pages...)
-	}
 	h.Admit([]PageKey{pk(1)}, SignalFault)
 	time.Sleep(50 * time.Millisecond) // the worker gathers now
 	// A wake-up left over (from a page already taken, a Flush already
@@ -657,7 +653,7 @@ func TestHotCacheGathersPins(t *testing.T) {
 			h.Admit([]PageKey{pk(pg)}, SignalFault)
 		}
 	}
-	waitPinned("a full batch waits", batch...)
+	waitPinned(t, h, "a full batch waits (no Flush)", batch...)
 
 	const lone, hinted = pinBatch + 10, pinBatch + 11
 	h.Admit([]PageKey{pk(lone)}, SignalFault)
@@ -666,16 +662,16 @@ func TestHotCacheGathersPins(t *testing.T) {
 		t.Fatal("a lone faulted page was pinned without a batch")
 	}
 	h.Admit([]PageKey{pk(hinted)}, SignalDecode)
-	waitPinned("a hint's page waits as long as a fault's", lone, hinted)
+	waitPinned(t, h, "a hint's page waits as long as a fault's (no Flush)", lone, hinted)
 
 	// A hint's page on an empty queue: the worker gathers briefly.
 	h.Admit([]PageKey{pk(hinted + 1)}, SignalDecode)
-	waitPinned("a hint's page gathers as long as a fault's", hinted+1)
+	waitPinned(t, h, "a hint's page gathers as long as a fault's (no Flush)", hinted+1)
 }
 
 // TestHotCacheYieldsToDemand: a gathered batch waits while demand work is
-// pending (SetDemand), is pinned once it is done, never waits for a Flush,
-// and waits at most pinYield when demand never ends.
+// pending (SetDemand), is pinned once it is done, and a Flush never waits
+// for demand work.
 func TestHotCacheYieldsToDemand(t *testing.T) {
 	f := sparseFile(t, 256)
 	h, _, _ := newHot(t, 200, zap.NewNop(), f)
