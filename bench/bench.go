@@ -86,9 +86,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 				return nil, err
 			}
 			rep.Settings.DaemonFlags = flags
-			if cfg.DaemonGOMAXPROCS > 0 {
-				rep.Settings.DaemonEnv = []string{fmt.Sprintf("GOMAXPROCS=%d", cfg.DaemonGOMAXPROCS)}
-			}
+			rep.Settings.DaemonEnv = daemonEnv(&cfg)
 		}
 	}
 

@@ -44,3 +44,12 @@ func DaemonFlags(bin string) (map[string]bool, error) {
 	}
 	return flags, nil
 }
+
+// daemonEnv is what the bench adds to every daemon's environment
+// (--daemon-gomaxprocs).
+func daemonEnv(cfg *Config) []string {
+	if cfg.DaemonGOMAXPROCS > 0 {
+		return []string{fmt.Sprintf("GOMAXPROCS=%d", cfg.DaemonGOMAXPROCS)}
+	}
+	return nil
+}

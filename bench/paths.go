@@ -40,10 +40,7 @@ func newGeomRun(cfg *Config, g Geometry, dir string, drop *dropper, prog *progre
 	if err != nil {
 		return nil, err
 	}
-	r := &geomRun{cfg: cfg, g: g, modelDir: dir, model: m, drop: drop, prog: prog, flags: flags}
-	if cfg.DaemonGOMAXPROCS > 0 {
-		r.env = []string{fmt.Sprintf("GOMAXPROCS=%d", cfg.DaemonGOMAXPROCS)}
-	}
+	r := &geomRun{cfg: cfg, g: g, modelDir: dir, model: m, drop: drop, prog: prog, flags: flags, env: daemonEnv(cfg)}
 	var layerRows []uint64
 	for _, l := range m.Layers {
 		n, _ := m.LayerRows(l)

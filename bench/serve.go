@@ -209,9 +209,12 @@ type ServePath struct {
 
 	// Decode is each step's time: the slowest rank's, since TP ranks wait
 	// for each other at the step's end; Hint its hints and barrier
-	// (engramfs+hints).
+	// (engramfs+hints), or its fadvise calls (v3).
 	Decode Summary  `json:"decode"`
 	Hint   *Summary `json:"hint,omitempty"`
+	// DecodeGather is each step's gather after its hints and barrier or
+	// its fadvise calls (the slowest rank's), where Hint is measured.
+	DecodeGather *Summary `json:"decode_gather,omitempty"`
 	// Steps and Chunks are each step's and chunk's time, in order.
 	Steps  []time.Duration `json:"step_ns"`
 	Chunks []time.Duration `json:"chunk_ns"`
@@ -239,7 +242,9 @@ type ServePath struct {
 	// resident before their step (mincore, summed over steps and ranks).
 	StepPages    int64 `json:"step_pages"`
 	StepResident int64 `json:"step_resident"`
-	Verified     int64 `json:"rows_verified"`
+	// StepFaults: the ranks' page faults during the steps (getrusage).
+	StepFaults int64 `json:"step_faults"`
+	Verified   int64 `json:"rows_verified"`
 	// DecodeBarrier and PrefillBarrier sum what the barriers said settled.
 	DecodeBarrier  *hints.Status `json:"decode_barrier,omitempty"`
 	PrefillBarrier *hints.Status `json:"prefill_barrier,omitempty"`
@@ -526,7 +531,7 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 	mountpoint := ""
 	if p.mounts() {
 		d, err = daemonproc.Start(ctx, daemonproc.Options{
-			Binary: cfg.Binary, ModelDir: run.ModelDir, MountDir: cfg.MountDir, Wrapper: wrapper,
+			Binary: cfg.Binary, ModelDir: run.ModelDir, MountDir: cfg.MountDir, Wrapper: wrapper, Env: daemonEnv(cfg),
 			Flags: append([]string{"--log-format", "json"}, withFlag(flags, "--cache-size", sc.CacheSize)...),
 		})
 		if err != nil {
@@ -581,7 +586,7 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 			return ctx.Err()
 		}
 	}
-	var steps, hintTimes, chunks, waits, gathers []time.Duration
+	var steps, hintTimes, stepGathers, chunks, waits, gathers []time.Duration
 	var decBar, preBar hints.Status
 	barriers := false
 	for i := range sc.Spec.Requests {
@@ -631,19 +636,21 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 			sp.StepReads = append(sp.StepReads, after.Reads-before.Reads)
 			sp.DecodeDisk.Reads += after.Reads - before.Reads
 			sp.DecodeDisk.Bytes += after.Bytes - before.Bytes
-			var step, hint time.Duration
+			var step, hint, gather time.Duration
 			for _, r := range reps {
-				step, hint = max(step, r.Step), max(hint, r.Hint)
+				step, hint, gather = max(step, r.Step), max(hint, r.Hint), max(gather, r.Step-r.Hint)
 				sp.StepPages += int64(r.Pages)
 				sp.StepResident += int64(r.Resident)
+				sp.StepFaults += r.Faults
 				sp.Verified += int64(r.Verified)
 				if r.Status != nil {
 					addStatus(&decBar, *r.Status)
 				}
 			}
 			steps = append(steps, step)
-			if p == PathHints {
+			if p == PathHints || p.willneed() {
 				hintTimes = append(hintTimes, hint)
+				stepGathers = append(stepGathers, gather)
 			}
 			if err := sleep(sc.DecodeCompute); err != nil {
 				return nil, err
@@ -667,8 +674,8 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 	sp.Decode, sp.Chunk, sp.ChunkWait, sp.ChunkGather = Summarize(steps), Summarize(chunks), Summarize(waits), Summarize(gathers)
 	sp.Steps, sp.Chunks = steps, chunks
 	if hintTimes != nil {
-		h := Summarize(hintTimes)
-		sp.Hint = &h
+		h, g := Summarize(hintTimes), Summarize(stepGathers)
+		sp.Hint, sp.DecodeGather = &h, &g
 	}
 	if p == PathHints {
 		sp.DecodeBarrier = &decBar

@@ -100,6 +100,14 @@ func TestServeTiny(t *testing.T) {
 		if p.StepPages == 0 || p.StepResident > p.StepPages {
 			t.Errorf("%s: step pages %d, resident before %d", p.Path, p.StepPages, p.StepResident)
 		}
+		// A page not resident before its step has no entry in the rank's
+		// page tables: reading it through the mapping takes a fault.
+		if p.StepResident < p.StepPages && p.StepFaults == 0 {
+			t.Errorf("%s: %d of the steps' %d pages not resident before them, and no page fault counted", p.Path, p.StepPages-p.StepResident, p.StepPages)
+		}
+		if g := p.DecodeGather; g != nil && (g.N != steps || p.Hint.N != steps || run.Ranks == 1 && p.Hint.P50 > p.Decode.P50) {
+			t.Errorf("%s: decode step parts %+v and %+v of %+v", p.Path, *p.Hint, *g, p.Decode)
+		}
 		// From dropped caches every path reads its tables from the disk.
 		// The device counts every process's reads, the cgroup only ours.
 		if s.Device != nil && (p.Disk.Reads == 0 || p.Disk.Bytes == 0 || p.Device.Bytes() < p.Disk.Bytes && s.IOFrom == ioFromCgroup) {
@@ -126,7 +134,7 @@ func TestServeTiny(t *testing.T) {
 			}
 		}
 		hinted := p.Path == PathHints
-		if hinted != (p.DecodeBarrier != nil && p.PrefillBarrier != nil && p.Hint != nil) {
+		if hinted != (p.DecodeBarrier != nil && p.PrefillBarrier != nil) || (hinted || p.Path.willneed()) != (p.Hint != nil && p.DecodeGather != nil) {
 			t.Fatalf("%s: barriers %v %v, hint times %v", p.Path, p.DecodeBarrier, p.PrefillBarrier, p.Hint)
 		}
 		if hinted {

@@ -202,6 +202,17 @@ func (r *Report) writeServe(w io.Writer) {
 			}
 			fmt.Fprintln(w)
 		}
+		for _, p := range run.Paths {
+			if !p.measured() || p.Hint == nil || p.DecodeGather == nil || p.Decode.N == 0 {
+				continue
+			}
+			before := "hints + barrier"
+			if p.Path.willneed() {
+				before = "fadvise calls"
+			}
+			fmt.Fprintf(w, "%s decode step, p50 (p99) of its parts: %s %s (%s), then the gather %s (%s); %.0f page faults a step (all ranks)\n",
+				p.Label, before, fmtDur(p.Hint.P50), fmtDur(p.Hint.P99), fmtDur(p.DecodeGather.P50), fmtDur(p.DecodeGather.P99), float64(p.StepFaults)/float64(p.Decode.N))
+		}
 		var elapsed time.Duration
 		for _, p := range run.Paths {
 			elapsed += p.Elapsed
