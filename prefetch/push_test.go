@@ -316,18 +316,23 @@ func TestPushedPageFaultedCountsAsEvicted(t *testing.T) {
 	}
 }
 
-// evictingTier is a recordingTier whose pages are in the page cache or not
-// as resident says, whatever was pushed: the page cache of a node whose
-// memory a prefill frame overruns, or of one that holds it.
+// evictingTier is a recordingTier whose pushed pages stay in the page cache
+// or leave it at once, as resident says: the page cache of a node that holds
+// a prefill frame, or of one whose memory the frame overruns. A page counts
+// as pushed once the tier heard of it (a settle admits before it checks);
+// none is cached before, so the frame's own lookup finds nothing, whenever
+// it runs.
 type evictingTier struct {
 	recordingTier
 	resident atomic.Bool
 }
 
 func (e *evictingTier) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	for i := range n {
 		vec[i] = 0
-		if e.resident.Load() {
+		if e.resident.Load() && len(e.log[cache.PageKey{Table: table, Page: first + i}]) > 0 {
 			vec[i] = 1
 		}
 	}
@@ -350,8 +355,8 @@ func TestPrefillThrottledOnceItsPushesAreEvicted(t *testing.T) {
 		hot := &evictingTier{}
 		p, st, _ := newTestPrefetcher(t, m, hot, Config{InflightPages: 16, Pushers: 1, PrefillQueuePages: 1 << 16, DecodeQueuePages: 1 << 16})
 		b := NewBarrier()
-		p.Submit(hints.Prefill, 0, rows, b) // nothing cached when it is looked up
-		hot.resident.Store(!evicted)        // the pushes stay, or leave
+		hot.resident.Store(!evicted) // the pushes stay, or leave
+		p.Submit(hints.Prefill, 0, rows, b)
 		s, err := b.Status(waitCtx(t))
 		if err != nil {
 			t.Fatal(err)
