@@ -12,6 +12,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -260,12 +261,16 @@ func (g *gatherSet) willneed(rows [][]uint64) error {
 // gatherV3 is the engines' "v3" decode path (DSV41_ENGRAM_MMAP_INLINE_ROWS):
 // fadvise(WILLNEED) on every row's range of every table, so that all the
 // reads are in flight together, then one gather on the calling goroutine.
-// Paths 3 (the shards) and 4' (the mount's table files) both run it.
-func (g *gatherSet) gatherV3(rows [][]uint64, buf []byte, out *rowsOut) error {
+// Paths 3 (the shards) and 4' (the mount's table files) both run it. It
+// returns how long the fadvise calls took (the serving loop reports the
+// step in its two parts).
+func (g *gatherSet) gatherV3(rows [][]uint64, buf []byte, out *rowsOut) (fadvise time.Duration, err error) {
+	start := time.Now()
 	if err := g.willneed(rows); err != nil {
-		return err
+		return time.Since(start), err
 	}
-	return g.gatherSerial(rows, buf, out)
+	fadvise = time.Since(start)
+	return fadvise, g.gatherSerial(rows, buf, out)
 }
 
 // rowTask is a run of rows of one layer, the unit a pool worker takes:

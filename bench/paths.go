@@ -245,7 +245,7 @@ func (r *geomRun) decodeBody(ctx context.Context, p PathID, d *daemonproc.Daemon
 					return err
 				}
 			case PathMmapWillneed, PathEngramfsWillneed:
-				if err := gs.gatherV3(step, buf, nil); err != nil {
+				if _, err := gs.gatherV3(step, buf, nil); err != nil {
 					return err
 				}
 			case PathHints:
@@ -415,7 +415,7 @@ func (r *geomRun) prefillBody(ctx context.Context, p PathID, d *daemonproc.Daemo
 			case PathPread:
 				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, true, nil)
 			case PathMmapWillneed, PathEngramfsWillneed:
-				err = gs.gatherV3(chunk, buf, nil)
+				_, err = gs.gatherV3(chunk, buf, nil)
 			default:
 				err = gs.gatherPool(chunk, workers, r.cfg.PreadTaskRows, false, nil)
 			}

@@ -441,11 +441,7 @@ func (r *rank) step(rows [][]uint64) (rankReply, error) {
 			err = r.gs.gatherSerial(rows, r.buf, r.out)
 		}
 	case r.cfg.Path.willneed():
-		// gatherV3, timed in its two parts.
-		if err = r.gs.willneed(rows); err == nil {
-			rep.Hint = time.Since(start)
-			err = r.gs.gatherSerial(rows, r.buf, r.out)
-		}
+		rep.Hint, err = r.gs.gatherV3(rows, r.buf, r.out)
 	default:
 		err = r.gs.gatherSerial(rows, r.buf, r.out)
 	}
