@@ -270,3 +270,42 @@ func TestReadAheadReadsAtMostLoadParallelAtOnce(t *testing.T) {
 		t.Fatalf("%d pieces stored, want the window's 32", stored)
 	}
 }
+
+// A handle's pieces start reading in the order of their offsets, at most
+// loadParallel at once: the reader waits on the first pages of a window,
+// and a piece read out of order ahead of them keeps the disk from them.
+func TestReadAheadReadsPiecesInOrder(t *testing.T) {
+	for range 5 {
+		var mu sync.Mutex
+		var starts []int64
+		r := &readAhead{size: 64 << 20,
+			fill: func(b []byte, off int64) (int, error) {
+				mu.Lock()
+				starts = append(starts, off)
+				mu.Unlock()
+				time.Sleep(200 * time.Microsecond)
+				return len(b), nil
+			},
+			store: func(off int64, data []byte) syscall.Errno { return 0 }}
+		r.observe(0, 8<<20) // a 32 MiB window: 32 pieces
+		settle(t, r)
+		if len(starts) != 32 {
+			t.Fatalf("%d pieces read, want the window's 32", len(starts))
+		}
+		for i, off := range starts {
+			// The i-th read to start is one of the loadParallel oldest
+			// pieces not read yet.
+			if bound := int64(8<<20) + int64(i+loadParallel-1)*pushChunk; off > bound {
+				t.Fatalf("read %d started at %d MiB, past the %d oldest pieces not read yet (order %v)", i, off>>20, loadParallel, mib(starts))
+			}
+		}
+	}
+}
+
+func mib(offs []int64) []int64 {
+	out := make([]int64, len(offs))
+	for i, o := range offs {
+		out[i] = o >> 20
+	}
+	return out
+}
