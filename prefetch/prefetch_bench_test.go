@@ -36,8 +36,9 @@ func (c *countingPusher) Store(table uint32, off int64, data []byte) error {
 // BenchmarkPrefillFrame pushes one prefill chunk (20,000 random rows of a
 // 1M-row layer, two tables) through the prefetcher and waits for it.
 func BenchmarkPrefillFrame(b *testing.B) {
-	pusher := benchFrames(b, hints.Prefill, 20000)
-	b.ReportMetric(float64(20000*b.N)/b.Elapsed().Seconds(), "rows/s")
+	const rows = 20000
+	pusher := benchFrames(b, hints.Prefill, rows)
+	b.ReportMetric(float64(rows*b.N)/b.Elapsed().Seconds(), "rows/s")
 	b.ReportMetric(float64(pusher.pages.Load())/b.Elapsed().Seconds(), "pages/s")
 }
 
