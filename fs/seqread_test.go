@@ -38,7 +38,7 @@ func settle(t *testing.T, r *readAhead) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		r.mu.Lock()
-		idle := !r.running
+		idle := r.loaders == 0
 		r.mu.Unlock()
 		if idle {
 			break
@@ -136,6 +136,27 @@ func TestReadAheadFollowsASequentialReader(t *testing.T) {
 	settle(t, r)
 	if s, ok := f.covered(size-8192, size); !ok {
 		t.Fatalf("stores %v: want [%d, %d)", s, size-8192, size)
+	}
+}
+
+// Every miss tops the window up to seqWindow past it, once that adds a
+// piece or more: the reader's hits never reach the daemon, and a reader
+// that missed early in a window and then not until its end found nothing
+// pushed there (asking again only past half the window).
+func TestSeqRunTopsUpOnEveryMiss(t *testing.T) {
+	const size = 1 << 30
+	var s seqRun
+	if from, to := s.observe(0, 8<<20, size, 0); from != 8<<20 || to != 8<<20+seqWindow {
+		t.Fatalf("an 8 MiB read back to back: window [%d, %d), want [%d, %d)", from, to, 8<<20, 8<<20+seqWindow)
+	}
+	// A miss a page on: less than a piece to add.
+	if from, to := s.observe(8<<20, 8<<20+4096, size, 0); from < to {
+		t.Fatalf("a miss a page past the run: window [%d, %d), want none", from, to)
+	}
+	// A miss 2 MiB into the window, far from half of it.
+	miss := int64(10 << 20)
+	if from, to := s.observe(miss, miss+4096, size, 0); from != 8<<20+seqWindow || to != miss+4096+seqWindow {
+		t.Fatalf("a miss 2 MiB into the window: window [%d, %d), want [%d, %d)", from, to, 8<<20+seqWindow, miss+4096+seqWindow)
 	}
 }
 
