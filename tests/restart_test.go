@@ -519,7 +519,31 @@ func crashTakeover(t *testing.T, dir string, flags []string, before func(mp stri
 // asking the kernel, as before the restart; rows another process faulted
 // in before the restart are looked up and found, not read again. Before,
 // a successor knew nothing and asked mincore of every page.
+//
+// The rows faulted in must stay cached from before the restart to the
+// hint after it: where the page cache was dropped from outside meanwhile
+// (a benchmark beside the suite drops it before each of its phases), the
+// check cannot be judged and runs again on a new mount.
 func TestRestartCarriesServedPages(t *testing.T) {
+	for try := 1; ; try++ {
+		dropped, err := restartCarriesServedPages(t)
+		if err == nil {
+			return
+		}
+		if !dropped {
+			t.Fatal(err)
+		}
+		if try == maxOutsideDrops {
+			t.Fatalf("%v (the page cache was dropped from outside during each of %d attempts)", err, try)
+		}
+		t.Logf("%v; the page cache was dropped from outside meanwhile: trying again on a new mount", err)
+	}
+}
+
+// restartCarriesServedPages is one attempt of TestRestartCarriesServedPages:
+// whether the page cache was dropped from outside since the rows were
+// faulted in before the restart, and the error of their check.
+func restartCarriesServedPages(t *testing.T) (dropped bool, err error) {
 	d, _, env, latest := startRestartable(t, "--cache-size=0")
 	mp := d.Mountpoint
 	spec := backing.DefaultSynth()
@@ -536,6 +560,7 @@ func TestRestartCarriesServedPages(t *testing.T) {
 	// --cache-size=0: nothing is pinned, so a hint looks every page up.
 	// The mappings keep the table inodes known across the restart.
 	maps := layerMaps(t, d, m, 0)
+	drops := dropCount(t)
 	faultInFromAnotherProcess(t, d, m, 0, faulted)
 
 	cmd := exec.Command(Binary(t), "restart", mp)
@@ -572,16 +597,14 @@ func TestRestartCarriesServedPages(t *testing.T) {
 		t.Errorf("after a restart, a hint of rows nobody read: %d residency lookups, %d answered without mincore, %d backing reads; want all of them answered without it, and reads",
 			lookups, skipped, reads)
 	}
-	untilNoOutsideDrop(t, "hint of rows faulted in before the restart", func() error {
-		if err := allResident(t, maps, faulted); err != nil {
-			return err
-		}
-		lookups, skipped, reads := hint(faulted)
-		if lookups == 0 || skipped != 0 || reads != 0 {
-			return fmt.Errorf("after a restart, a hint of rows faulted in before it: %d lookups, %d without mincore, %d backing reads; want some, 0, 0", lookups, skipped, reads)
-		}
-		return nil
-	})
+	if err := allResident(t, maps, faulted); err != nil {
+		return dropCount(t) != drops, fmt.Errorf("rows faulted in before the restart: %w", err)
+	}
+	lookups, skipped, reads = hint(faulted)
+	if lookups == 0 || skipped != 0 || reads != 0 {
+		return dropCount(t) != drops, fmt.Errorf("after a restart, a hint of rows faulted in before it: %d lookups, %d without mincore, %d backing reads; want some, 0, 0", lookups, skipped, reads)
+	}
+	return false, nil
 }
 
 // TestCrashTakeoverHinterReopens: a hint handle the crashed daemon alone

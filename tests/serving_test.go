@@ -92,6 +92,7 @@ func TestHintLooksUpOnlyPagesItEverServed(t *testing.T) {
 	}
 	defer h.Close()
 
+	drops := dropCount(t)
 	before := d.Stats(t)
 	if err := h.Decode(0, cold); err != nil {
 		t.Fatal(err)
@@ -110,7 +111,13 @@ func TestHintLooksUpOnlyPagesItEverServed(t *testing.T) {
 		t.Errorf("pages never served must be fetched: status %+v, %d backing reads", st, after.BackingReads-before.BackingReads)
 	}
 	if err := allResident(t, maps, cold); err != nil {
-		t.Errorf("after the barrier: %v", err)
+		// Not judged where the page cache was dropped from outside since
+		// the hint (a benchmark beside the suite drops it).
+		if dropCount(t) == drops {
+			t.Errorf("after the barrier: %v", err)
+		} else {
+			t.Logf("after the barrier: %v; the page cache was dropped from outside meanwhile: not judged", err)
+		}
 	}
 
 	untilNoOutsideDrop(t, "hint of rows another process faulted in", func() error {
