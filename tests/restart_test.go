@@ -488,7 +488,17 @@ func crashTakeover(t *testing.T, dir string, flags []string, before func(mp stri
 	if err := a.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	<-a.Exited()
+	// A killed daemon whose own thread waits on a request it had read from
+	// its own mount (the pinner opening or faulting a table) cannot finish
+	// exiting: the kernel waits for that request's answer, uninterruptibly,
+	// and the kept descriptor keeps the connection alive. The successor's
+	// resend answers it; so the successor starts once the process is dead
+	// or stuck so, and the predecessor must be gone after the takeover.
+	select {
+	case <-a.Exited():
+	case <-time.After(5 * time.Second):
+		t.Logf("the killed daemon has not exited after 5 s (threads: %s): starting its successor, whose resend must release it", threadStates(a.Pid()))
+	}
 
 	// The next start, as systemd makes it: the kept descriptor as fd 3.
 	log := &syncBuffer{}
@@ -511,7 +521,33 @@ func crashTakeover(t *testing.T, dir string, flags []string, before func(mp stri
 		}
 		return strings.Contains(log.String(), "took the mount over from the service manager")
 	})
+	select {
+	case <-a.Exited():
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the killed daemon (pid %d) did not exit within 30 s of its successor's takeover (threads: %s)\n%s", a.Pid(), threadStates(a.Pid()), log.String())
+	}
 	return mp, log
+}
+
+// threadStates lists pid's threads with their states and kernel wait
+// channels, for a process that does not exit.
+func threadStates(pid int) string {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, task := range tasks {
+		dir := fmt.Sprintf("/proc/%d/task/%s", pid, task.Name())
+		stat, _ := os.ReadFile(dir + "/stat")
+		wchan, _ := os.ReadFile(dir + "/wchan")
+		state := "?"
+		if _, rest, ok := strings.Cut(string(stat), ") "); ok && rest != "" {
+			state = rest[:1]
+		}
+		out = append(out, fmt.Sprintf("%s %s %s", task.Name(), state, wchan))
+	}
+	return strings.Join(out, ", ")
 }
 
 // A successor is handed the pages its predecessor put in the page cache
