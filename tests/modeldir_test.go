@@ -3,6 +3,7 @@ package tests
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"os"
@@ -168,23 +169,32 @@ func TestTableSequentialReadIsReadAhead(t *testing.T) {
 	if tb.Kind != "weight" {
 		t.Fatalf("table %s is not the weight table", tb.Name)
 	}
-	before := d.Stats(t).FuseReads
-	f, err := os.Open(filepath.Join(d.Mountpoint, tb.Path()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var got bytes.Buffer
-	if _, err := io.CopyBuffer(&got, f, make([]byte, 1<<20)); err != nil {
-		t.Fatal(err)
-	}
-	if want := ShardTable(t, d.ModelDir, tb.Name); !bytes.Equal(got.Bytes()[len(tb.FileHeader):], want) {
-		t.Fatal("the table read straight through differs from the shard")
-	}
-	pages := uint64(tb.FileSize / 4096)
-	if reads := d.Stats(t).FuseReads - before; reads > pages/8 {
-		t.Errorf("reading %d pages straight through took %d FUSE reads: no readahead (want under %d)", pages, reads, pages/8)
-	}
+	path := filepath.Join(d.Mountpoint, tb.Path())
+	want := ShardTable(t, d.ModelDir, tb.Name)
+	// A page cache dropped from outside during the read (a benchmark
+	// beside the suite) evicts the pushed window ahead of the reader, which
+	// then reads it a page at a time: not judged, read again.
+	untilNoOutsideDrop(t, "a table read straight through", func() error {
+		evict(t, path)
+		before := d.Stats(t).FuseReads
+		f, err := os.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		var got bytes.Buffer
+		if _, err := io.CopyBuffer(&got, f, make([]byte, 1<<20)); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got.Bytes()[len(tb.FileHeader):], want) {
+			t.Fatal("the table read straight through differs from the shard")
+		}
+		pages := uint64(tb.FileSize / 4096)
+		if reads := d.Stats(t).FuseReads - before; reads > pages/8 {
+			return fmt.Errorf("reading %d pages straight through took %d FUSE reads: no readahead (want under %d)", pages, reads, pages/8)
+		}
+		return nil
+	})
 }
 
 // From s3://, the model's other objects are its files too, read in large
