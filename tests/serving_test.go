@@ -110,15 +110,7 @@ func TestHintLooksUpOnlyPagesItEverServed(t *testing.T) {
 	if st.Failed != 0 || st.Cached != 0 || st.Resident != st.Pages || after.BackingReads == before.BackingReads {
 		t.Errorf("pages never served must be fetched: status %+v, %d backing reads", st, after.BackingReads-before.BackingReads)
 	}
-	if err := allResident(t, maps, cold); err != nil {
-		// Not judged where the page cache was dropped from outside since
-		// the hint (a benchmark beside the suite drops it).
-		if dropCount(t) == drops {
-			t.Errorf("after the barrier: %v", err)
-		} else {
-			t.Logf("after the barrier: %v; the page cache was dropped from outside meanwhile: not judged", err)
-		}
-	}
+	checkHintedResident(t, d, 0, maps, cold, drops, "after the barrier")
 
 	untilNoOutsideDrop(t, "hint of rows another process faulted in", func() error {
 		faultInFromAnotherProcess(t, d, m, 0, faulted)

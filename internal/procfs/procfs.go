@@ -228,6 +228,24 @@ func ParseStatCPU(b []byte) (time.Duration, error) {
 	return time.Duration(ticks) * time.Second / clockTick, nil
 }
 
+// ThreadStates lists pid's threads as "TID STATE WCHAN" (from each
+// thread's stat and wchan), for the report of a process that will not
+// exit: a thread in D names what it waits for.
+func ThreadStates(pid int) (string, error) {
+	var out []string
+	err := eachTask(pid, "stat", func(b []byte) error {
+		tid, _, _ := strings.Cut(string(b), " ")
+		state := "?"
+		if f, err := statFields(b); err == nil && len(f) > 0 {
+			state = f[0]
+		}
+		wchan, _ := os.ReadFile(PidPath(pid, "task/"+tid+"/wchan"))
+		out = append(out, tid+" "+state+" "+string(wchan))
+		return nil
+	})
+	return strings.Join(out, ", "), err
+}
+
 // Alive reports whether pid exists and is not a zombie.
 func Alive(pid int) bool {
 	b, err := os.ReadFile(PidPath(pid, "stat"))

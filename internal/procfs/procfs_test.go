@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -309,4 +311,24 @@ func TestTopAndCovering(t *testing.T) {
 	if _, ok := ByID(ms, 99); ok {
 		t.Error("ByID found a mount that is gone")
 	}
+}
+
+// ThreadStates lists every thread of a live process with its state.
+func TestThreadStates(t *testing.T) {
+	s, err := ThreadStates(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := strings.Split(s, ", ")
+	me := strconv.Itoa(os.Getpid())
+	for _, th := range got {
+		f := strings.Fields(th)
+		if len(f) < 2 || len(f[1]) != 1 || !strings.Contains("RSDTtZXIKWP", f[1]) {
+			t.Fatalf("thread %q of %q: want TID STATE [WCHAN]", th, s)
+		}
+		if f[0] == me {
+			return
+		}
+	}
+	t.Fatalf("ThreadStates %q does not list the main thread %s", s, me)
 }
