@@ -198,8 +198,7 @@ func (r *readAhead) loadLoop() {
 		if r.closed || r.next >= r.target {
 			r.loaders--
 			r.mu.Unlock()
-			<-pushSlots
-			<-r.sem
+			r.release()
 			return
 		}
 		off := r.next
@@ -211,21 +210,26 @@ func (r *readAhead) loadLoop() {
 		if len(data) == 0 || err != nil {
 			// A read error, which the reader's own read will report.
 			pushBufs.Put(bp)
-			<-pushSlots
-			<-r.sem
+			r.release()
 			r.stop()
 			continue
 		}
 		r.wg.Add(1)
 		go func() {
 			defer r.wg.Done()
-			defer func() { <-pushSlots; <-r.sem }()
+			defer r.release()
 			defer pushBufs.Put(bp)
 			if r.store(off, data) != 0 {
 				r.stop() // the mount is going
 			}
 		}()
 	}
+}
+
+// release gives back the slots a loader took for a piece.
+func (r *readAhead) release() {
+	<-pushSlots
+	<-r.sem
 }
 
 // load reads [off, off+n) into buf: through read where it can, else fill.
