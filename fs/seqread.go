@@ -26,14 +26,25 @@ const (
 	// seqTrigger: a handle's reads must have covered this many bytes
 	// back to back before readahead starts (a table raises it above two
 	// of its rows: a random gather reads a row, a row and a page at most,
-	// back to back). A random reader never gets there.
-	seqTrigger = 64 << 10
+	// back to back). A random reader never gets there. Each byte before
+	// it is a FUSE read of a page, ~60 µs: 64 KiB made a 64 MiB table's
+	// straight read wait ~1 ms before its first push.
+	seqTrigger = 32 << 10
+	// seqFirstWindow is the first window, once triggered: the bytes of
+	// a scan's first pieces. A window that started at one piece and grew
+	// by four times the run (1, 4, 21 MiB) made the reader miss at the end
+	// of each and wait for the next one's first piece; 8 MiB, the disk's
+	// own readahead here (`read_ahead_kb` 8192), took a 64 MiB table's
+	// `dd` from 0.70-0.79× the shard to 0.78-0.85× (seven interleaved
+	// pairs with the trigger above, BenchmarkModelDirSequentialRead,
+	// 2026-12-06). A scan that stops right after the trigger reads 8 MiB
+	// too many, once.
+	seqFirstWindow = 8 << 20
 	// seqWindow is the most the pushes reach ahead of the reader's last
-	// miss. The window starts at pushChunk and grows with the run (four
-	// times the bytes read back to back), so a short scan costs little
-	// more than itself. Every miss tops it up, a piece or more: the
-	// reader's page cache hits never reach the daemon, so a miss is the
-	// only news of where it is. Asking again only once the misses passed
+	// miss. The window starts at seqFirstWindow and grows with the run
+	// (four times the bytes read back to back). Every miss tops it up, a
+	// piece or more: the reader's page cache hits never reach the daemon,
+	// so a miss is the only news of where it is. Asking again only once the misses passed
 	// half the window left the pushes idle whenever the reader missed
 	// early in a window and then not again until its end, where it waited
 	// for the next window's first piece: no read in flight 14-18% of a
@@ -83,7 +94,7 @@ func (s *seqRun) observe(off, end, size, trigger int64) (from, to int64) {
 		s.streak, s.ahead = end-off, 0
 	}
 	s.next = end
-	window := min(seqWindow, max(pushChunk, 4*s.streak))
+	window := min(seqWindow, max(seqFirstWindow, 4*s.streak))
 	if s.streak < max(trigger, seqTrigger) || s.ahead >= min(end+window-pushChunk, size) {
 		return 0, 0
 	}

@@ -75,9 +75,10 @@ func (f *fakePushes) covered(ranges ...int64) ([][2]int64, bool) {
 }
 
 // Readahead starts once a handle has read seqTrigger bytes back to back,
-// pushes a window after the last read in pushChunk stores, and goes on when
-// the reader's next miss lands where the pushed pages end, with a window
-// that grows with the run (four times its bytes) up to seqWindow.
+// pushes a window (seqFirstWindow) after the last read in pushChunk stores,
+// and goes on when the reader's next miss lands where the pushed pages end,
+// with a window that grows with the run (four times its bytes) up to
+// seqWindow.
 func TestReadAheadFollowsASequentialReader(t *testing.T) {
 	const size = 4 * seqWindow
 	r, f := newFakeReadAhead(size)
@@ -95,7 +96,7 @@ func TestReadAheadFollowsASequentialReader(t *testing.T) {
 		r.observe(off, off+4096)
 	}
 	settle(t, r)
-	want := []int64{seqTrigger, seqTrigger + pushChunk} // the first window: one piece
+	want := []int64{seqTrigger, seqTrigger + seqFirstWindow} // the first window
 	if s, ok := f.covered(want...); !ok {
 		t.Fatalf("stores %v: want %v", s, want)
 	}
@@ -106,7 +107,7 @@ func TestReadAheadFollowsASequentialReader(t *testing.T) {
 		r.closed = false
 		r.observe(end, end+4096)
 		settle(t, r)
-		window := min(seqWindow, 4*(end+4096))
+		window := min(seqWindow, max(seqFirstWindow, 4*(end+4096)))
 		want = append(want, end+4096, end+4096+window)
 		if s, ok := f.covered(want...); !ok {
 			t.Fatalf("miss at %d: stores %v: want %v", end, s, want)
