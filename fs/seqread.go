@@ -44,11 +44,11 @@ const (
 	// miss. The window starts at seqFirstWindow and grows with the run
 	// (four times the bytes read back to back). Every miss tops it up, a
 	// piece or more: the reader's page cache hits never reach the daemon,
-	// so a miss is the only news of where it is. Asking again only once the misses passed
-	// half the window left the pushes idle whenever the reader missed
-	// early in a window and then not again until its end, where it waited
-	// for the next window's first piece: no read in flight 14-18% of a
-	// table's `dd`, against 6-7% topping up.
+	// so a miss is the only news of where it is. Asking again only once
+	// the misses passed half the window left the pushes idle whenever the
+	// reader missed early in a window and then not again until its end,
+	// where it waited for the next window's first piece: no read in
+	// flight 14-18% of a table's `dd`, against 6-7% topping up.
 	seqWindow = 32 << 20
 	// pushChunk is one backing read and one page cache store of the
 	// readahead; pushParallel of them are in flight per handle, of which
