@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	units "github.com/docker/go-units"
 	"go.uber.org/zap"
@@ -53,6 +54,9 @@ func checkMountValues(fl *flag.FlagSet, mf *mountFlags) error {
 		if given[c.name] && c.v < c.least {
 			return usagef("--%s %d: want at least %d", c.name, c.v, c.least)
 		}
+	}
+	if mf.monitorSlack < 0 || mf.monitorSlack > time.Second {
+		return usagef("--monitor-slack %v: want 0 (off) to 1s", mf.monitorSlack)
 	}
 	// Sizes: "4" was 4 bytes, which turned the tier off.
 	for _, s := range []struct{ name, v string }{
