@@ -93,7 +93,7 @@ func (f *mountFlags) register(fl interface {
 	fl.DurationVar(&f.stopWait, "stop-wait", defaultStopWait,
 		"on SIGINT or SIGTERM while processes map table files, wait this long for the last mapping to go (logging their pids) before unmounting; a second signal stops at once")
 	fl.DurationVar(&f.monitorSlack, "monitor-slack", defaultMonitorSlack,
-		"timer slack of the Go runtime's monitor thread (sysmon), which otherwise wakes every 20 µs for a millisecond or more each time the daemon wakes from idle: with 1ms a serving loop's daemon switched 33-45% less and spent 10-20% less CPU a page; 0 leaves the kernel's 50 µs (needs CAP_SYS_NICE; see docs/design.md)")
+		"timer slack of the Go runtime's monitor thread (sysmon), which otherwise wakes every 20 µs for a millisecond or more each time the daemon wakes from idle: with 1ms a serving loop's daemon switched 33-45% less and spent 7-20% less CPU a page; 0 leaves the kernel's 50 µs (needs CAP_SYS_NICE; see docs/design.md)")
 	fl.StringVar(&f.injectFaults, "inject-faults", "",
 		"TESTING ONLY: inject backing faults, e.g. eio=0.01,short=0.01,latency=2ms,seed=7 (see README)")
 	f.s3Flags.register(fl)
