@@ -714,8 +714,9 @@ const defaultMonitorSlack = time.Millisecond
 // sysmon says why). Measured in the serving loop (engramfs bench --serve,
 // big and flash, 1 and 4 ranks, 2026-12-06, interleaved pairs): daemon
 // context switches a backing page 0.34-0.35 → 0.19-0.20 (1 rank) and
-// 0.26-0.28 → 0.17-0.19 (4 ranks), its CPU a page 15.3-17.3 → 13.0-13.7 µs
-// and 15.2-17.0 → 13.8-14.9 µs; decode p50 and p99 within the runs' noise.
+// 0.26-0.28 → 0.17-0.19 (4 ranks), its CPU a page 15.3-17.3 → 12.8-13.7 µs
+// and 14.5-17.0 → 13.8-14.9 µs; decode p50 and p99 within the runs' noise
+// (docs/design.md, "The runtime's monitor thread", has the table).
 // Without CAP_SYS_NICE it logs why and the daemon runs as it would without.
 func quietMonitor(slack time.Duration, log *zap.Logger) {
 	if slack <= 0 {

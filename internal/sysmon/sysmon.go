@@ -26,22 +26,21 @@ import (
 	"strconv"
 	"strings"
 	"time"
-)
 
-// root is /proc; tests point it elsewhere.
-var root = "/proc"
+	"github.com/engramfs/engramfs/internal/procfs"
+)
 
 // Thread returns the TID of this process's runtime monitor thread.
 func Thread() (int, error) { return ThreadOf(os.Getpid()) }
 
 // ThreadOf returns the TID of the runtime monitor thread of Go process pid.
 func ThreadOf(pid int) (int, error) {
-	ents, err := os.ReadDir(fmt.Sprintf("%s/%d/task", root, pid))
+	ents, err := os.ReadDir(procfs.PidPath(pid, "task"))
 	if err != nil {
 		return 0, err
 	}
 	pidMax := 1 << 22 // the kernel's limit; /proc/sys/kernel/pid_max says the value in force
-	if b, err := os.ReadFile(root + "/sys/kernel/pid_max"); err == nil {
+	if b, err := os.ReadFile(procfs.Root + "/sys/kernel/pid_max"); err == nil {
 		if v, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && v > 0 {
 			pidMax = v
 		}
@@ -81,12 +80,12 @@ func SetSlack(tid int, d time.Duration) error {
 	if d <= 0 {
 		return fmt.Errorf("sysmon: timer slack %v: must be positive", d)
 	}
-	return os.WriteFile(fmt.Sprintf("%s/%d/timerslack_ns", root, tid), []byte(strconv.FormatInt(d.Nanoseconds(), 10)), 0)
+	return os.WriteFile(procfs.PidPath(tid, "timerslack_ns"), []byte(strconv.FormatInt(d.Nanoseconds(), 10)), 0)
 }
 
 // Slack reads thread tid's timer slack.
 func Slack(tid int) (time.Duration, error) {
-	b, err := os.ReadFile(fmt.Sprintf("%s/%d/timerslack_ns", root, tid))
+	b, err := os.ReadFile(procfs.PidPath(tid, "timerslack_ns"))
 	if err != nil {
 		return 0, err
 	}
