@@ -222,6 +222,12 @@ func (h *HotCache) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
 	return ok
 }
 
+// LookupPerRun reports whether runs runs of pages over span pages cost
+// less in a ResidentRun a run than in one over the span (Pinner.PerRun).
+func (h *HotCache) LookupPerRun(runs, span uint64) bool {
+	return h.pinner != nil && h.pinner.PerRun(runs, span)
+}
+
 // OwnFault reports whether a FUSE read of page k is the hot tier's own
 // populate of a page it is pinning (not a reader's demand): callers that
 // count demand faults (late prefetches, refaults) should skip it.

@@ -117,8 +117,10 @@ type Pinner struct {
 	exactOnce sync.Once
 	exactFD   int // the userfaultfd of the exact mappings; -1 if none
 
-	readers []*os.File // GUARDED_BY(mu); per table, nil until first used: readThrough's descriptor
-	readBuf sync.Pool  // *[]byte scratch for readThrough
+	readers   []*os.File  // GUARDED_BY(mu); per table, nil until first used: readThrough's descriptor
+	readerFDs []int       // GUARDED_BY(mu); their numbers (File.Fd costs two fcntl calls each time)
+	readBuf   sync.Pool   // *[]byte scratch for readThrough
+	noStat    atomic.Bool // cachestat(2) is missing: ResidentRun asks mincore always
 
 	count       atomic.Int64 // pages with their bit set in pinned
 	unavailable atomic.Bool
@@ -577,8 +579,9 @@ func (p *Pinner) Resident(k PageKey) bool {
 }
 
 // ResidentRun sets bit 0 of vec[i] when page first+i of table is in the
-// page cache, for i < n (mincore on the pinner's mapping, which it creates if
-// needed; it never faults a page in). It reports false, and vec means
+// page cache, for i < n (cachestat on the table's descriptor for a window
+// of up to statPages pages, else mincore on the pinner's mapping, which it
+// creates if needed; it never faults a page in). It reports false, and vec means
 // nothing, when it cannot tell: pinning is unavailable, the pinner is
 // closed, or the run is past the file's end.
 func (p *Pinner) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
@@ -597,6 +600,11 @@ func (p *Pinner) residentRun(table uint32, first, n uint64, vec []byte) (ok, ski
 		// say so.
 		clear(vec[:n])
 		return true, true
+	}
+	if n <= statPages {
+		if ok, err := p.statRun(table, first, n, vec); ok || errors.Is(err, errPinnerClosed) {
+			return ok, false
+		}
 	}
 	r, err := p.run(table, first, n, true)
 	if err != nil || r == nil {
@@ -685,6 +693,7 @@ func (p *Pinner) reader(table uint32) (*os.File, error) {
 	p.mu.Lock()
 	if p.readers == nil {
 		p.readers = make([]*os.File, len(p.files))
+		p.readerFDs = make([]int, len(p.files))
 	}
 	f := p.readers[table]
 	p.mu.Unlock()
@@ -698,13 +707,14 @@ func (p *Pinner) reader(table uint32) (*os.File, error) {
 		// Read only the run: without FADV_RANDOM the kernel reads ahead
 		// around it, into large folios that the populate then maps and
 		// the trim must split again.
-		if err := unix.Fadvise(int(nf.Fd()), 0, 0, unix.FADV_RANDOM); err != nil {
+		fd := int(nf.Fd())
+		if err := unix.Fadvise(fd, 0, 0, unix.FADV_RANDOM); err != nil {
 			_ = nf.Close()
 			return nil, fmt.Errorf("read through: fadvise %s: %w", p.files[table].Path, err)
 		}
 		p.mu.Lock()
 		if f = p.readers[table]; f == nil {
-			p.readers[table], f = nf, nf
+			p.readers[table], p.readerFDs[table], f = nf, fd, nf
 		} else {
 			_ = nf.Close()
 		}

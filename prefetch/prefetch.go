@@ -66,6 +66,9 @@ type HotTier interface {
 	// ResidentRun sets bit 0 of vec[i] when page first+i of table is in
 	// the page cache, for i < n; false when it cannot tell.
 	ResidentRun(table uint32, first, n uint64, vec []byte) bool
+	// LookupPerRun: runs runs of pages over span pages are looked up for
+	// less a run at a time than in one ResidentRun over the span.
+	LookupPerRun(runs, span uint64) bool
 }
 
 // Config sizes the prefetcher.
@@ -357,8 +360,12 @@ func (w *residency) present(hot HotTier, runs []pageRun, i int, pg uint64) bool 
 	r := runs[i]
 	if w.n == 0 || r.table != w.table || pg < w.first || pg >= w.first+w.n {
 		end := r.first + r.n
-		for k := i + 1; k < len(runs) && runs[k].table == r.table && runs[k].first < end+spanGap && runs[k].first+runs[k].n-pg <= maxSpan; k++ {
+		k := i + 1
+		for ; k < len(runs) && runs[k].table == r.table && runs[k].first < end+spanGap && runs[k].first+runs[k].n-pg <= maxSpan; k++ {
 			end = runs[k].first + runs[k].n
+		}
+		if k-i > 1 && hot.LookupPerRun(uint64(k-i), end-pg) {
+			end = r.first + r.n // this run alone
 		}
 		w.table, w.first, w.n = r.table, pg, min(end-pg, maxSpan)
 		if w.vec == nil {
