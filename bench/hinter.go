@@ -27,6 +27,7 @@ const (
 // fsync, which holds the control inode's lock for the whole wait.)
 type hinter struct {
 	f       *os.File
+	fd      int    // f's number: File.Fd costs two fcntl calls each time
 	barrier string // BarrierRead or BarrierFsync
 	stream  bool   // the handle has no offsets: read(2), not pread
 	why     string // how the barrier was chosen
@@ -52,11 +53,11 @@ func openHinter(mp string) (*hinter, error) {
 		if werr != nil {
 			return nil, fmt.Errorf("hint open: %w", werr)
 		}
-		h.f, h.barrier = wf, BarrierFsync
+		h.f, h.fd, h.barrier = wf, int(wf.Fd()), BarrierFsync
 		h.why = fmt.Sprintf("fsync: the control file does not open for reading (%v)", err)
 		return h, nil
 	}
-	h.f = f
+	h.f, h.fd = f, int(f.Fd())
 	n, err := h.readBarrier()
 	switch {
 	case errors.Is(err, unix.ESPIPE):
@@ -88,9 +89,9 @@ func (h *hinter) readBarrier() (int, error) {
 		var n int
 		var err error
 		if h.stream {
-			n, err = unix.Read(int(h.f.Fd()), h.rbuf)
+			n, err = unix.Read(h.fd, h.rbuf)
 		} else {
-			n, err = unix.Pread(int(h.f.Fd()), h.rbuf, 0)
+			n, err = unix.Pread(h.fd, h.rbuf, 0)
 		}
 		if err == unix.EINTR {
 			continue

@@ -157,6 +157,7 @@ type mirrorFile struct {
 	// else data itself; in reads of whole mirror pages (readBuf), into
 	// buffers aligned to memAl.
 	rfd     *os.File
+	rfdNum  int // rfd's number: File.Fd costs two fcntl calls each time
 	direct  bool
 	memAl   int64
 	crcBase int64 // offset of the checksums in NAME.meta
@@ -403,7 +404,7 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 		bits:    make([]uint64, words),
 		crcs:    make([][]uint32, (size+mirrorExtent-1)/mirrorExtent),
 		crcBase: mirrorHeader + (8*words+mirrorPage-1)/mirrorPage*mirrorPage,
-		rfd:     data, memAl: 1,
+		rfd:     data, rfdNum: int(data.Fd()), memAl: 1,
 	}
 	for i := range f.ext {
 		f.ext[i] = &extent{}
@@ -427,7 +428,7 @@ func (m *mirror) open(name string, size int64, etag string) (*mirrorFile, error)
 		}
 	}
 	if rfd, memAl, err := m.openDirect(base + ".data"); err == nil {
-		f.rfd, f.direct, f.memAl = rfd, true, memAl
+		f.rfd, f.rfdNum, f.direct, f.memAl = rfd, int(rfd.Fd()), true, memAl
 	} else {
 		why := err.Error()
 		m.buffered.CompareAndSwap(nil, &why)
@@ -583,7 +584,7 @@ func (f *mirrorFile) read(etag string, off int64, n int) ([]byte, bool) {
 	}
 	start, buf := f.readBuf(off, n)
 	crcs := f.crcsLocked(off, n)
-	got, err := backing.PreadFull(int(f.rfd.Fd()), buf, start)
+	got, err := backing.PreadFull(f.rfdNum, buf, start)
 	f.mu.RUnlock()
 	return f.answer(off, n, start, buf, got, err, crcs)
 }
@@ -653,7 +654,7 @@ func (f *mirrorFile) submit(etag string, reads []*backing.ShardRead, hit func(r 
 		start, buf := f.readBuf(r.Off, r.Len)
 		crcs := f.crcsLocked(r.Off, r.Len)
 		extGen := f.extentGens(r.Off, r.Len)
-		reqs = append(reqs, &ioengine.Req{Fd: int(f.rfd.Fd()), Off: start, Buf: buf, Done: func(got int, err error) {
+		reqs = append(reqs, &ioengine.Req{Fd: f.rfdNum, Off: start, Buf: buf, Done: func(got int, err error) {
 			if f.gen.Load() != gen || f.extentGens(r.Off, r.Len) != extGen {
 				miss(r)
 			} else if data, ok := f.answer(r.Off, r.Len, start, buf, got, err, crcs); ok {
