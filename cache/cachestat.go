@@ -30,8 +30,11 @@ const (
 var errNoCachestat = errors.New("cachestat unavailable")
 
 // statRun is ResidentRun by cachestat(2) on the table's read-through
-// descriptor, for a window of at most statPages pages: one call for the
-// window, and one a page only when it is partly cached. A page counts as
+// descriptor: for a window of at most statPages pages, and for every
+// window where pinning is unavailable (no mapping to ask mincore of). One
+// call answers a window whose pages are all cached or none; a window
+// partly cached is halved until each part is (its second half's count is
+// the window's less the first's, no call). A page counts as
 // cached from the moment its folio is in the page cache, before its read
 // has completed (mincore waits for that): either way the reader finds it
 // without a new read, and a fetch of it would read it twice. ok is false
@@ -84,27 +87,38 @@ func (p *Pinner) statRun(table uint32, first, n uint64, vec []byte) (ok bool, er
 		}
 		return cs.Cache, nil
 	}
-	c, err := count(first, n)
-	if err != nil {
-		return false, err
-	}
-	switch {
-	case c == 0:
-		clear(vec[:n])
-	case c >= n:
-		for i := range vec[:n] {
-			vec[i] = 1
-		}
-	default:
-		for i := range n {
-			c, err := count(first+i, 1)
-			if err != nil {
-				return false, err
+	// fill answers pages [pg, pg+k), c of which are cached. Counts taken
+	// at different moments may disagree (a page evicted or read between
+	// them): an answer is then stale either way, which costs a read or a
+	// fault, never wrong bytes.
+	var fill func(pg, k, c uint64) error
+	fill = func(pg, k, c uint64) error {
+		out := vec[pg-first : pg-first+k]
+		switch {
+		case c == 0:
+			clear(out)
+		case c >= k:
+			for i := range out {
+				out[i] = 1
 			}
-			vec[i] = byte(min(c, 1))
+		default:
+			h := k / 2
+			c1, err := count(pg, h)
+			if err != nil {
+				return err
+			}
+			if err := fill(pg, h, c1); err != nil {
+				return err
+			}
+			return fill(pg+h, k-h, c-min(c1, c))
 		}
+		return nil
 	}
-	return true, nil
+	c, err := count(first, n)
+	if err == nil {
+		err = fill(first, n, c)
+	}
+	return err == nil, err
 }
 
 // PerRun reports whether runs runs of pages spread over span pages are

@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"testing"
@@ -12,7 +13,8 @@ import (
 // ResidentRun answers the same whether cachestat (windows of up to
 // statPages pages) or mincore asks, page for page, against mincore on a
 // mapping of the test's own: every window of 1-6 pages over a file whose
-// pages are cached in a pattern, and the last page short.
+// pages are cached in a pattern, and the last page short; and, with pinning
+// unavailable (cachestat alone, halving), every window of every size.
 func TestResidentRunLookupsAgree(t *testing.T) {
 	const pages = 40
 	f := coldFile(t, pages*PageSize-100)
@@ -45,9 +47,10 @@ func TestResidentRunLookupsAgree(t *testing.T) {
 		}
 		return true
 	}
+	maxN := uint64(6)
 	check := func() error {
-		vec := make([]byte, 8)
-		for n := uint64(1); n <= 6; n++ {
+		vec := make([]byte, pages+1)
+		for n := uint64(1); n <= maxN; n++ {
 			for first := uint64(0); first+n <= pages; first++ {
 				clear(vec)
 				if !p.ResidentRun(0, first, n, vec) {
@@ -97,6 +100,16 @@ func TestResidentRunLookupsAgree(t *testing.T) {
 	}
 	p.noStat.Store(true)
 	run("mincore")
+	// Pinning unavailable: no mapping to ask mincore of; cachestat
+	// answers every window, halving those partly cached.
+	p.noStat.Store(false)
+	p.disable(errors.New("test: mlock refused"))
+	maxN = pages
+	run("cachestat, unpinned")
+	p.noStat.Store(true)
+	if p.ResidentRun(0, 0, 8, make([]byte, 8)) {
+		t.Fatal("unpinned, without cachestat: a window answered")
+	}
 }
 
 // The cost model chooses a lookup a run for runs spread thin, one window

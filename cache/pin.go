@@ -580,10 +580,11 @@ func (p *Pinner) Resident(k PageKey) bool {
 
 // ResidentRun sets bit 0 of vec[i] when page first+i of table is in the
 // page cache, for i < n (cachestat on the table's descriptor for a window
-// of up to statPages pages, else mincore on the pinner's mapping, which it
-// creates if needed; it never faults a page in). It reports false, and vec means
-// nothing, when it cannot tell: pinning is unavailable, the pinner is
-// closed, or the run is past the file's end.
+// of up to statPages pages, and for any window when pinning is
+// unavailable; else mincore on the pinner's mapping, which it creates if
+// needed; it never faults a page in). It reports false, and vec means
+// nothing, when it cannot tell: pinning is unavailable on a kernel without
+// cachestat, the pinner is closed, or the run is past the file's end.
 func (p *Pinner) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
 	ok, _ := p.residentRun(table, first, n, vec)
 	return ok
@@ -592,14 +593,16 @@ func (p *Pinner) ResidentRun(table uint32, first, n uint64, vec []byte) bool {
 // residentRun is ResidentRun, and whether Seen answered it without a
 // system call.
 func (p *Pinner) residentRun(table uint32, first, n uint64, vec []byte) (ok, skipped bool) {
-	if !p.Available() {
-		return false, false // no mapping to ask, and making one would fail again
-	}
 	if !p.seen.Any(table, first, n) {
 		// Never served nor stored: not cached, and no system call to
 		// say so.
 		clear(vec[:n])
 		return true, true
+	}
+	if !p.Available() {
+		// No mapping to ask mincore of, and making one would fail again.
+		ok, _ := p.statRun(table, first, n, vec)
+		return ok, false
 	}
 	if n <= statPages {
 		if ok, err := p.statRun(table, first, n, vec); ok || errors.Is(err, errPinnerClosed) {

@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -38,7 +39,8 @@ func procStatusField(t testing.TB, pid int, key string) string {
 // mapping would fail with ENOMEM; the tier must say it runs unpinned (one
 // warning at mount, cache_mode "unpinned"), lock nothing, report nothing
 // pinned, and so never let prefetch skip a page as pinned: after a cache drop,
-// hinting the same rows again makes them resident again.
+// hinting the same rows again makes them resident again. Pages that are
+// cached are still skipped, found without the mapping.
 func TestHotTierUnpinnedWithoutCapIPCLock(t *testing.T) {
 	if _, err := os.Stat(capsh); err != nil {
 		t.Skipf("%s: %v", capsh, err)
@@ -75,6 +77,20 @@ func TestHotTierUnpinnedWithoutCapIPCLock(t *testing.T) {
 	if lck := lockedBytes(t, d); lck != 0 {
 		t.Fatalf("the daemon has %d bytes locked without CAP_IPC_LOCK", lck)
 	}
+	// Unpinned, hints still skip what is cached (cachestat on the
+	// daemon's own descriptor; there is no locked mapping to ask mincore
+	// of): the same step again reads and stores nothing.
+	untilNoOutsideDrop(t, "a decode step of cached rows, unpinned", func() error {
+		before := d.Stats(t)
+		decodeStep(t, ctl, 0, rows)
+		after := d.Stats(t)
+		reads, stored := after.BackingReads-before.BackingReads, after.PrefetchPagesStored-before.PrefetchPagesStored
+		cached := after.PrefetchDecodePagesCached - before.PrefetchDecodePagesCached
+		if reads != 0 || stored != 0 || cached == 0 {
+			return fmt.Errorf("a decode step of rows the last steps made resident: %d backing reads, %d pages stored, %d counted cached; want 0, 0 and all", reads, stored, cached)
+		}
+		return nil
+	})
 	dropCaches(t)
 	untilNoOutsideDrop(t, "after the barrier (did prefetch skip pages it believed pinned?)", func() error {
 		decodeStep(t, ctl, 0, rows)
