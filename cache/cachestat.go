@@ -44,11 +44,7 @@ func (p *Pinner) statRun(table uint32, first, n uint64, vec []byte) (ok bool, er
 	if p.noStat.Load() {
 		return false, errNoCachestat
 	}
-	if int(table) >= len(p.files) {
-		return false, nil
-	}
-	size := uint64(max(p.files[table].Size, 0))
-	if pages := (size + PageSize - 1) / PageSize; first >= pages || n > pages-first {
+	if p.checkRun(table, first, n) != nil {
 		return false, nil
 	}
 	p.mu.Lock()
@@ -63,13 +59,12 @@ func (p *Pinner) statRun(table uint32, first, n uint64, vec []byte) (ok bool, er
 	}
 	p.mu.Unlock()
 	defer p.inflight.Done()
-	if fd < 0 {
-		if _, err := p.reader(table); err != nil {
+	if fd < 0 { // the table's first lookup or read-through: open it
+		f, err := p.reader(table)
+		if err != nil {
 			return false, err
 		}
-		p.mu.Lock()
-		fd = p.readerFDs[table]
-		p.mu.Unlock()
+		fd = int(f.Fd())
 	}
 	count := func(pg, k uint64) (uint64, error) {
 		r := unix.CachestatRange{Off: pg * PageSize, Len: k * PageSize}

@@ -726,6 +726,20 @@ func (p *Pinner) reader(table uint32) (*os.File, error) {
 	return f, nil
 }
 
+// checkRun reports why pages [first, first+n) are not all pages of table's
+// file, or nil when they are.
+func (p *Pinner) checkRun(table uint32, first, n uint64) error {
+	if int(table) >= len(p.files) {
+		return fmt.Errorf("no table %d (%d tables)", table, len(p.files))
+	}
+	f := p.files[table]
+	size := uint64(max(f.Size, 0))
+	if pages := (size + PageSize - 1) / PageSize; first >= pages || n > pages-first {
+		return fmt.Errorf("past the end of %s (%d bytes)", f.Path, f.Size)
+	}
+	return nil
+}
+
 // run returns the bytes of pages [first, first+n) of table in the pinner's
 // mapping, clipped to the file size, mapping the file if create is set. A nil
 // slice with a nil error means there is nothing to do (n == 0, or no mapping
@@ -735,13 +749,8 @@ func (p *Pinner) run(table uint32, first, n uint64, create bool) ([]byte, error)
 	if n == 0 {
 		return nil, nil
 	}
-	if int(table) >= len(p.files) {
-		return nil, fmt.Errorf("no table %d (%d tables)", table, len(p.files))
-	}
-	f := p.files[table]
-	size := uint64(max(f.Size, 0))
-	if pages := (size + PageSize - 1) / PageSize; first >= pages || n > pages-first {
-		return nil, fmt.Errorf("past the end of %s (%d bytes)", f.Path, f.Size)
+	if err := p.checkRun(table, first, n); err != nil {
+		return nil, err
 	}
 	p.mu.Lock()
 	var b []byte
@@ -798,7 +807,7 @@ func (p *Pinner) run(table uint32, first, n uint64, create bool) ([]byte, error)
 		}
 	}
 	p.mu.Unlock()
-	end := min((first+n)*PageSize, size)
+	end := min((first+n)*PageSize, uint64(max(p.files[table].Size, 0)))
 	return b[first*PageSize : end : end], nil
 }
 
