@@ -58,6 +58,13 @@ func resident(t testing.TB, b []byte) []bool {
 
 // rowsResident reports how many of the pages holding rows are resident.
 func rowsResident(t testing.TB, tb *backing.Table, b []byte, rows []uint64) (res, total int) {
+	missing, total := missingPages(t, tb, b, rows)
+	return total - len(missing), total
+}
+
+// missingPages lists the pages holding rows that are not resident in the
+// mapping b of tb, and counts the pages holding rows.
+func missingPages(t testing.TB, tb *backing.Table, b []byte, rows []uint64) (missing []uint64, total int) {
 	r := resident(t, b)
 	seen := map[uint64]bool{}
 	for _, row := range rows {
@@ -68,12 +75,12 @@ func rowsResident(t testing.TB, tb *backing.Table, b []byte, rows []uint64) (res
 			}
 			seen[p] = true
 			total++
-			if r[p] {
-				res++
+			if !r[p] {
+				missing = append(missing, p)
 			}
 		}
 	}
-	return res, total
+	return missing, total
 }
 
 func randomRows(rng *rand.Rand, n int, rows uint64) []uint64 {
@@ -114,8 +121,12 @@ func gatherFromMemoryErr(t testing.TB, d *Daemon, maps map[*backing.Table][]byte
 func allResident(t testing.TB, maps map[*backing.Table][]byte, rows []uint64) error {
 	t.Helper()
 	for tb, b := range maps {
-		if res, total := rowsResident(t, tb, b, rows); res != total {
-			return fmt.Errorf("%s: %d of %d hinted pages resident", tb.Path(), res, total)
+		if missing, total := missingPages(t, tb, b, rows); len(missing) > 0 {
+			err := fmt.Errorf("%s: %d of %d hinted pages resident (missing: pages %v)", tb.Path(), total-len(missing), total, missing[:min(len(missing), 8)])
+			if allReclaimed(t, b, missing) {
+				return fmt.Errorf("%w: %w", err, errReclaimed)
+			}
+			return err
 		}
 	}
 	return nil
