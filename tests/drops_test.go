@@ -32,10 +32,11 @@ func dropCount(t testing.TB) uint64 {
 // errReclaimed marks a residency check that failed only on pages the
 // kernel's reclaim evicted (each has a shadow entry in its file's page
 // cache). These VMs reclaim page cache on their own, with no memory
-// pressure (kdamond; ~0.3% of an idle file's cached pages a minute, see the
-// kernel facts in docs/design.md): an unpinned page engramfs did make
-// resident may be gone a second later. drop_caches, an invalidation
-// (NOTIFY_INVAL_INODE, truncation) or a page never stored leave no shadow.
+// pressure (kdamond: half of an idle file's cached pages within a quarter
+// of an hour; see the kernel facts in docs/design.md): an unpinned page
+// engramfs did make resident may be gone a second later. drop_caches, an
+// invalidation (NOTIFY_INVAL_INODE, truncation) or a page never stored
+// leave no shadow.
 var errReclaimed = errors.New("every missing page was reclaimed by the kernel (a shadow entry in its place), not dropped or never stored")
 
 // allReclaimed reports whether each of pages (of the shared file mapping b)
