@@ -20,13 +20,28 @@ import (
 
 // dropCount is /proc/vmstat's drop_pagecache: how many times anyone on this
 // machine has written to /proc/sys/vm/drop_caches since boot.
-func dropCount(t testing.TB) uint64 {
+func dropCount(t testing.TB) uint64 { return vmstat(t, "drop_pagecache") }
+
+// refaultCount is /proc/vmstat's workingset_refault_file: how many file
+// pages that the kernel's reclaim evicted were read in again, machine-wide.
+// Each CPU batches its part of the count; /proc/sys/vm/stat_refresh (root)
+// folds them in first, or a refault a moment ago may not show.
+func refaultCount(t testing.TB) uint64 {
+	t.Helper()
+	if err := os.WriteFile("/proc/sys/vm/stat_refresh", []byte("1"), 0); err != nil {
+		t.Logf("vmstat refresh: %v", err)
+	}
+	return vmstat(t, "workingset_refault_file")
+}
+
+// vmstat is the counter name of /proc/vmstat.
+func vmstat(t testing.TB, name string) uint64 {
 	t.Helper()
 	vm, err := procfs.VMStat()
 	if err != nil {
 		t.Fatalf("vmstat: %v", err)
 	}
-	return vm["drop_pagecache"]
+	return vm[name]
 }
 
 // errReclaimed marks a residency check that failed only on pages the
@@ -192,7 +207,8 @@ func checkHinted(t testing.TB, d *Daemon, layer int, rows []uint64, drops uint64
 // The residency checks tell the kernel's reclaim (a shadow entry left in
 // the page's place: retried, see errReclaimed) from a page dropped by
 // invalidation (judged): a page reclaimed by MADV_PAGEOUT is errReclaimed,
-// a page dropped by POSIX_FADV_DONTNEED (no shadow) is not.
+// and so is the FUSE read of a gather that refaults it; a page dropped by
+// POSIX_FADV_DONTNEED (no shadow) is not.
 func TestResidencyCheckTellsReclaimFromDrop(t *testing.T) {
 	spec := geometries()["4096B"]
 	d := Mount(t, Synth(t, spec), "--cache-size", "0")
@@ -228,6 +244,10 @@ func TestResidencyCheckTellsReclaimFromDrop(t *testing.T) {
 	}
 	if err := allResident(t, maps, rows[:1]); !errors.Is(err, errReclaimed) {
 		t.Fatalf("after MADV_PAGEOUT: %v, want errReclaimed", err)
+	}
+	// The gather reads it again through FUSE: a refault.
+	if err := gatherFromMemoryErr(t, d, maps, rows[:1]); !errors.Is(err, errReclaimed) {
+		t.Fatalf("a gather after MADV_PAGEOUT: %v, want errReclaimed", err)
 	}
 	// Dropped: not mapped, invalidated.
 	f, err := os.Open(filepath.Join(d.Mountpoint, tb.Path()))
