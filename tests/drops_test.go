@@ -34,7 +34,7 @@ func refaultCount(t testing.TB) uint64 {
 	return vmstat(t, "workingset_refault_file")
 }
 
-// vmstat is the counter name of /proc/vmstat.
+// vmstat is the /proc/vmstat counter called name.
 func vmstat(t testing.TB, name string) uint64 {
 	t.Helper()
 	vm, err := procfs.VMStat()
@@ -130,8 +130,8 @@ const maxOutsideDrops = 10
 // beside this one (engramfs bench drops caches before every path), or these
 // VMs' own reclaim, evicts unpinned pages that engramfs did make resident,
 // and no filesystem can prevent that. Such an attempt is logged and run
-// again, at most maxOutsideDrops times. Call it only where this test process drops nothing
-// itself while attempt runs.
+// again, at most maxOutsideDrops times. Call it only where this test
+// process drops nothing itself while attempt runs.
 func untilNoOutsideDrop(t testing.TB, what string, attempt func() error) {
 	t.Helper()
 	for try := 1; ; try++ {
