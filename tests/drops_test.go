@@ -59,29 +59,44 @@ var errReclaimed = errors.New("every missing page was reclaimed by the kernel (a
 // kernel's reclaim evicted it. False when that cannot be told.
 func allReclaimed(t testing.TB, b []byte, pages []uint64) bool {
 	t.Helper()
+	r := reclaimedPages(t, b, pages)
+	for _, p := range pages {
+		if !r[p] {
+			return false
+		}
+	}
+	return true
+}
+
+// reclaimedPages is the set of pages (of the shared file mapping b) that
+// hold a shadow entry in the page cache of b's file; nil when that cannot be
+// told (logged). Ask before anything reads them: a read takes the shadow.
+func reclaimedPages(t testing.TB, b []byte, pages []uint64) map[uint64]bool {
+	t.Helper()
 	path, err := mappedPath(b)
 	if err != nil {
 		t.Logf("whether the missing pages were reclaimed: %v", err)
-		return false
+		return nil
 	}
 	f, err := os.Open(path)
 	if err != nil {
 		t.Logf("whether the missing pages were reclaimed: %v", err)
-		return false
+		return nil
 	}
 	defer f.Close()
+	out := map[uint64]bool{}
 	for _, p := range pages {
 		r := unix.CachestatRange{Off: p * 4096, Len: 4096}
 		var cs unix.Cachestat_t
 		if err := unix.Cachestat(uint(f.Fd()), &r, &cs, 0); err != nil {
 			t.Logf("whether the missing pages were reclaimed: cachestat: %v", err)
-			return false
+			return nil
 		}
-		if cs.Evicted == 0 {
-			return false
+		if cs.Evicted != 0 {
+			out[p] = true
 		}
 	}
-	return true
+	return out
 }
 
 // mappedPath is the path of the file mapped at b, from /proc/self/maps.
