@@ -41,4 +41,11 @@
 // The filesystem fails that write with EINVAL, which carries no text, and
 // keeps the error's text for the handle's next barrier: [Status.Error] says
 // why, as does the error of the clients' call that sent the frame.
+//
+// # The step
+//
+// A decode step's frames and its barrier can go in one ioctl(2) on the
+// handle instead of a write per frame and a read: [StepCmd], whose buffer
+// ([StepBuffer]) carries the frames going in and the barrier's status line
+// coming back ([StepStatus]).
 package hints
