@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -92,6 +93,7 @@ var (
 	_ = (gofs.NodeReader)((*controlFile)(nil))
 	_ = (gofs.NodeFsyncer)((*controlFile)(nil))
 	_ = (gofs.NodeSetattrer)((*controlFile)(nil))
+	_ = (gofs.NodeIoctler)((*controlFile)(nil))
 	_ = (gofs.FileReleaser)((*controlHandle)(nil))
 )
 
@@ -263,11 +265,25 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 	if !ok {
 		return 0, syscall.EBADF
 	}
-	o := c.r.o
 	h.mu.Lock()
-	if errno := c.decodeRoom(ctx, h, data); errno != 0 {
-		h.mu.Unlock()
+	errno := c.take(ctx, h, data)
+	h.mu.Unlock()
+	if errno != 0 {
 		return 0, errno
+	}
+	return uint32(len(data)), 0
+}
+
+// take decodes data into the handle's stream and queues what it completes,
+// as Write does: EAGAIN or EINTR from decodeRoom, nothing taken; EINVAL
+// when a bad frame was rejected (h.rejected says why, for the next
+// barrier).
+//
+// REQUIRES(h.mu)
+func (c *controlFile) take(ctx context.Context, h *controlHandle, data []byte) syscall.Errno {
+	o := c.r.o
+	if errno := c.decodeRoom(ctx, h, data); errno != 0 {
+		return errno
 	}
 	parts, err := h.dec.Write(data)
 	for _, f := range parts {
@@ -286,20 +302,83 @@ func (c *controlFile) Write(ctx context.Context, fh gofs.FileHandle, data []byte
 			o.hints.SubmitPart(h.b, f.Class, f.Layer, f.Rows, !f.More)
 		}
 	}
+	if err == nil {
+		return 0
+	}
+	c.reject(h, err.Error())
+	if errors.Is(err, hints.ErrBadFrame) {
+		return syscall.EINVAL
+	}
+	return syscall.EIO
+}
+
+// reject keeps why a frame of h was rejected for its next barrier.
+func (c *controlFile) reject(h *controlHandle, reason string) {
+	h.rejected.Store(&reason)
+	c.r.o.Stats.HintRejected.Add(1)
+	c.r.o.hotLog.Warn("hint frame rejected", zap.String("reason", reason))
+}
+
+// Ioctl answers the step (hints.StepCmd): the frames of the request's
+// buffer taken as a write takes them, then the handle's barrier, whose
+// status line goes back in the same buffer. One FUSE request where a write
+// per frame and a read are one each: a decode step whose pages are all
+// resident costs little more than its round trips. A rejected frame does
+// not fail the call: the line says why, as the barrier after a failed
+// write would. The frames must begin and end at frame boundaries of the
+// handle's stream (EINVAL, with the reason in the next barrier's line,
+// otherwise): a step never finishes or leaves a frame half written.
+func (c *controlFile) Ioctl(ctx context.Context, fh gofs.FileHandle, cmd uint32, arg uint64, input []byte, output []byte) (int32, syscall.Errno) {
+	h, ok := fh.(*controlHandle)
+	if !ok {
+		return 0, syscall.EBADF
+	}
+	size, ok := hints.StepSize(cmd)
+	if !ok {
+		return 0, syscall.ENOTTY
+	}
+	if len(input) != size || len(output) != size {
+		return 0, syscall.EINVAL
+	}
+	frames, err := hints.StepFrames(input)
 	if err != nil {
-		reason := err.Error()
-		h.rejected.Store(&reason)
+		return 0, syscall.EINVAL
+	}
+	h.mu.Lock()
+	if !h.dec.AtFrameStart() {
+		h.mu.Unlock()
+		c.reject(h, "a step began inside a frame that earlier writes on the handle left unfinished")
+		return 0, syscall.EINVAL
+	}
+	errno := c.take(ctx, h, frames)
+	cut := errno == 0 && !h.dec.AtFrameStart()
+	if cut {
+		// The rows of the cut frame decoded so far are queued, as a bad
+		// frame's before its bad field are.
+		h.dec.Reset()
+		c.reject(h, fmt.Sprintf("a step's last frame is cut short (%d bytes of frames)", len(frames)))
 	}
 	h.mu.Unlock()
+	switch {
+	case cut:
+		return 0, syscall.EINVAL
+	case errno == syscall.EAGAIN || errno == syscall.EINTR:
+		return 0, errno // nothing taken
+	}
+	// Taken, or a frame rejected (EINVAL, EIO): the line says why.
+	st, errno := c.barrier(ctx, h)
+	if errno != 0 {
+		return 0, errno
+	}
+	line, err := statusLine(st, size-4)
 	if err != nil {
-		o.Stats.HintRejected.Add(1)
-		o.hotLog.Warn("hint frame rejected", zap.Error(err))
-		if errors.Is(err, hints.ErrBadFrame) {
-			return 0, syscall.EINVAL
-		}
 		return 0, syscall.EIO
 	}
-	return uint32(len(data)), 0
+	if err := hints.PutStepStatus(output, line); err != nil {
+		return 0, syscall.EIO
+	}
+	c.r.o.Stats.HintSteps.Add(1)
+	return 0, 0
 }
 
 // decodeRoom bounds the handle's decode backlog before a write of decode

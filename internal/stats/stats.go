@@ -71,6 +71,7 @@ type Counters struct {
 	HintRows     atomic.Uint64
 	HintRejected atomic.Uint64
 	HintRefused  atomic.Uint64
+	HintSteps    atomic.Uint64
 
 	// Control-file handles (fs); ControlHandles is a level.
 	ControlHandles        atomic.Int64
@@ -213,6 +214,7 @@ type Snapshot struct {
 	HintRows     uint64 `json:"hint_rows"`
 	HintRejected uint64 `json:"hint_rejected"`
 	HintRefused  uint64 `json:"hint_refused"`
+	HintSteps    uint64 `json:"hint_steps"`
 
 	ControlHandles        int64  `json:"control_handles"`
 	ControlHandlesRefused uint64 `json:"control_handles_refused"`
@@ -295,6 +297,7 @@ func (c *Counters) Snapshot() Snapshot {
 		HintRows:     c.HintRows.Load(),
 		HintRejected: c.HintRejected.Load(),
 		HintRefused:  c.HintRefused.Load(),
+		HintSteps:    c.HintSteps.Load(),
 
 		ControlHandles:        c.ControlHandles.Load(),
 		ControlHandlesRefused: c.ControlHandlesRefused.Load(),
