@@ -35,6 +35,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/engramfs/engramfs/hints"
 )
@@ -63,6 +64,8 @@ var ErrRejected = errors.New("rejected by the mount")
 type Hinter struct {
 	f    atomic.Pointer[os.File] // replaced by reopen
 	path string
+
+	noStep atomic.Bool // the filesystem answered the step's ioctl ENOTTY
 
 	mu  sync.Mutex
 	buf []byte // GUARDED_BY(mu)
@@ -158,43 +161,158 @@ func (h *Hinter) send(c hints.Class, layer int, rows []uint64) error {
 // stream (a short write means it refused part of the frame and reset the
 // stream), so the write is made here.
 func (h *Hinter) writeFrame(f *os.File, frame []byte) error {
+	return h.untilTaken(f, "write", func(fd int) error {
+		n, err := syscall.Write(fd, frame)
+		if err == nil && n != len(frame) {
+			return fmt.Errorf("short write: %d of %d bytes of a frame taken: %w", n, len(frame), syscall.EIO)
+		}
+		return err
+	})
+}
+
+// untilTaken makes the system call op on f's descriptor until the
+// filesystem takes what it sends: again at once after EINTR, and after
+// EAGAIN (the handle's decode backlog is full; nothing was taken) backing
+// off, for at most retryTimeout. Its error is an *os.PathError.
+func (h *Hinter) untilTaken(f *os.File, what string, op func(fd int) error) error {
 	rc, err := f.SyscallConn()
 	if err != nil {
-		return &os.PathError{Op: "write", Path: h.path, Err: os.ErrClosed}
+		return &os.PathError{Op: what, Path: h.path, Err: os.ErrClosed}
 	}
 	sleep, deadline := 50*time.Microsecond, time.Time{}
 	for {
-		var n int
-		var werr error
-		if err := rc.Write(func(fd uintptr) bool {
+		var oerr error
+		if err := rc.Control(func(fd uintptr) {
 			for {
-				n, werr = syscall.Write(int(fd), frame)
-				if werr != syscall.EINTR {
-					return true
+				if oerr = op(int(fd)); oerr != syscall.EINTR {
+					return
 				}
 			}
 		}); err != nil {
-			// The only failure of RawConn.Write: the file was closed.
-			return &os.PathError{Op: "write", Path: h.path, Err: os.ErrClosed}
+			// The only failure of RawConn.Control: the file was closed.
+			return &os.PathError{Op: what, Path: h.path, Err: os.ErrClosed}
 		}
-		switch {
-		case werr == syscall.EAGAIN:
+		if oerr == syscall.EAGAIN {
 			if deadline.IsZero() {
 				deadline = time.Now().Add(retryTimeout)
 			} else if time.Now().After(deadline) {
-				return &os.PathError{Op: "write", Path: h.path, Err: werr}
+				return &os.PathError{Op: what, Path: h.path, Err: oerr}
 			}
 			time.Sleep(sleep)
 			sleep = min(2*sleep, maxRetrySleep)
 			continue
-		case werr != nil:
-			return &os.PathError{Op: "write", Path: h.path, Err: werr}
-		case n != len(frame):
-			return &os.PathError{Op: "write", Path: h.path,
-				Err: fmt.Errorf("short write: %d of %d bytes of a frame taken: %w", n, len(frame), syscall.EIO)}
+		}
+		if oerr != nil {
+			return &os.PathError{Op: what, Path: h.path, Err: oerr}
 		}
 		return nil
 	}
+}
+
+// Step sends rows[i] of layers[i] as decode hints and waits for them,
+// returning what Barrier would: in one ioctl(2) (hints.StepCmd), one
+// request to the filesystem where Decode for each layer and then Barrier
+// make one each. A step too large for the ioctl (more than ~2,000 rows), or
+// a filesystem without it, is sent as Decode calls and a Barrier.
+func (h *Hinter) Step(layers []int, rows [][]uint64) (hints.Status, error) {
+	if len(layers) != len(rows) {
+		return hints.Status{}, fmt.Errorf("hint step: %d layers, %d row lists", len(layers), len(rows))
+	}
+	for _, l := range layers {
+		if l < 0 || l > hints.MaxLayer {
+			return hints.Status{}, fmt.Errorf("hint step layer %d: layer out of range 0..%d", l, hints.MaxLayer)
+		}
+	}
+	h.mu.Lock()
+	buf, ok := h.stepBuffer(layers, rows)
+	if ok {
+		st, err, done := h.step(buf)
+		if done {
+			if cap(h.buf) > maxKeptBuf {
+				h.buf = nil
+			}
+			h.mu.Unlock()
+			return h.conclude(st, err)
+		}
+	}
+	h.mu.Unlock()
+	for i, l := range layers {
+		if err := h.Decode(l, rows[i]); err != nil {
+			return hints.Status{}, err
+		}
+	}
+	return h.Barrier()
+}
+
+// stepBuffer is a step's buffer holding a decode frame per layer, in
+// h.buf; ok is false when the ioctl cannot carry it or the filesystem has
+// no step.
+//
+// REQUIRES(h.mu)
+func (h *Hinter) stepBuffer(layers []int, rows [][]uint64) ([]byte, bool) {
+	if h.noStep.Load() {
+		return nil, false
+	}
+	n := 0
+	for _, rs := range rows {
+		n += len(rs)
+	}
+	if n > hints.StepMaxBytes/8 {
+		return nil, false
+	}
+	var frames []byte
+	for i, l := range layers {
+		frames = hints.AppendBinary(frames, hints.Decode, l, rows[i])
+	}
+	buf, ok := hints.StepBuffer(h.buf, frames)
+	if ok {
+		h.buf = buf
+	}
+	return buf, ok
+}
+
+// step makes the ioctl. done is false when the filesystem has no step
+// (ENOTTY: nothing was taken), and the caller sends the frames otherwise.
+//
+// REQUIRES(h.mu)
+func (h *Hinter) step(buf []byte) (st hints.Status, err error, done bool) {
+	cmd := uintptr(hints.StepCmd(len(buf)))
+	ioctl := func(fd int) error {
+		_, _, errno := syscall.Syscall(syscall.SYS_IOCTL, uintptr(fd), cmd, uintptr(unsafe.Pointer(&buf[0])))
+		if errno != 0 {
+			return errno
+		}
+		return nil
+	}
+	f := h.f.Load()
+	err = h.untilTaken(f, "step", ioctl)
+	if staleHandle(err) {
+		// Nothing was taken: send it on a new handle.
+		if rerr := h.reopen(f); rerr != nil {
+			return st, fmt.Errorf("hint step: %w (%v)", err, rerr), true
+		}
+		err = h.untilTaken(h.f.Load(), "step", ioctl)
+	}
+	switch {
+	case errors.Is(err, syscall.ENOTTY):
+		h.noStep.Store(true)
+		return st, nil, false
+	case errors.Is(err, syscall.EINVAL):
+		return st, fmt.Errorf("hint step: %w", h.whyRejected(err)), true
+	case errors.Is(err, syscall.EINTR):
+		// Never returned: untilTaken retries it (the frames were taken
+		// then, and the retry waits for them again).
+	case err != nil:
+		return st, fmt.Errorf("hint step: %w", err), true
+	}
+	line, err := hints.StepStatus(buf)
+	if err == nil {
+		err = json.Unmarshal(line, &st)
+	}
+	if err != nil {
+		return st, fmt.Errorf("hint step: the status line: %w", err), true
+	}
+	return st, nil, true
 }
 
 // whyRejected reads why the filesystem rejected a frame (the write's
@@ -253,13 +371,23 @@ func (h *Hinter) readStatus() (hints.Status, error) {
 // status is returned too.
 func (h *Hinter) Barrier() (hints.Status, error) {
 	st, err := h.readStatus()
+	if err != nil {
+		err = fmt.Errorf("hint barrier: %w", err)
+	}
+	return h.conclude(st, err)
+}
+
+// conclude adds the counts carried from a rejected frame's barrier to st,
+// the status of a barrier (or step) whose system call returned err, and
+// says what went wrong.
+func (h *Hinter) conclude(st hints.Status, err error) (hints.Status, error) {
 	h.mu.Lock()
 	h.carried.Add(st)
 	st, h.carried = h.carried, hints.Status{}
 	h.mu.Unlock()
 	switch {
 	case err != nil:
-		return st, fmt.Errorf("hint barrier: %w", err)
+		return st, err
 	case st.Failed > 0 && st.Error == "": // a daemon that does not say
 		return st, fmt.Errorf("hint barrier: %d of %d pages: %w", st.Failed, st.Pages, ErrFailed)
 	case st.Failed > 0:

@@ -413,3 +413,32 @@ func TestReopensAStaleHandle(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestStepFallsBackToWrites: a control file without the step's ioctl
+// (here a regular file: ENOTTY) gets the step's frames as writes.
+func TestStepFallsBackToWrites(t *testing.T) {
+	mount, control := fakeMount(t)
+	h, err := Open(mount)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	want := []hints.Frame{
+		{Class: hints.Decode, Layer: 0, Rows: []uint64{1, 2}},
+		{Class: hints.Decode, Layer: 7, Rows: []uint64{1 << 40}},
+	}
+	for range 2 { // the second after the client learned there is no step
+		if _, err := h.Step([]int{0, 7}, [][]uint64{want[0].Rows, want[1].Rows}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := decodeFile(t, control); !reflect.DeepEqual(got, append(want, want...)) {
+		t.Fatalf("decoded %v, want %v twice", got, want)
+	}
+	if _, err := h.Step([]int{0}, nil); err == nil {
+		t.Error("a step of 1 layer and 0 row lists was sent")
+	}
+	if _, err := h.Step([]int{hints.MaxLayer + 1}, [][]uint64{{1}}); err == nil {
+		t.Error("a step of a layer out of range was sent")
+	}
+}

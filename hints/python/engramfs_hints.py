@@ -11,6 +11,8 @@ are used when given, never imported here).
                                 # {'frames', 'pages', 'resident', 'pinned',
                                 #  'dropped', 'failed'} since the last wait;
                                 # raises HintFailed if failed > 0
+        st = h.step([(layer, rows), ...])  # a decode step: decode() for each
+                                # layer and wait(), in one request
 
 rows is an iterable of non-negative ints below 2**64, or anything with the
 buffer protocol holding integers (a numpy array, array.array, a torch tensor
@@ -33,12 +35,22 @@ reads the barrier, whose status line says why, and raises HintRejected (an
 OSError, EINVAL) with the reason ("row 99999 out of range (layer 0 has 16384
 rows)"); the counts that barrier read are kept for the next wait().
 
+step() sends a decode step's frames and waits for them in one ioctl(2) on
+the handle (one request to the daemon where a write a frame and the barrier
+read make one each; a step whose pages are all resident costs little more
+than that request). The ioctl's buffer is the frames' length (u32), the
+frames, then room for the status line, which comes back in the same buffer
+after its length (u32); at most 16383 bytes, so a step of more than ~2,000
+rows, or a daemon without the ioctl (ENOTTY), goes as decode() calls and a
+wait().
+
 A Hinter is safe to use from several threads, and after fork: a child
 process opens its own handle on first use (a handle shared across processes
 would mix their frames and their barriers).
 """
 
 import errno
+import fcntl
 import json
 import operator
 import os
@@ -59,10 +71,22 @@ _MAGIC = b'EGH1'
 _ROW = 8
 _CLASS_NAMES = {PREFILL: 'prefill', DECODE: 'decode'}
 _STATUS_BYTES = 4096
+# The step ioctl: _IOWR(0xE6, 1, size), size = the whole buffer.
+_STEP_TYPE = 0xE6
+_STEP_NR = 1
+_STEP_MAX_BYTES = (1 << 14) - 1
+_STEP_MIN_BYTES = 4 + 256
+_U32 = struct.Struct('<I')
 # EAGAIN: this handle has more decode work queued than the daemon holds for
 # one handle; nothing of the frame was taken, so it is sent again.
 _EAGAIN_SLEEP_MAX = 0.01
 _EAGAIN_TIMEOUT = 60.0
+
+
+
+def _step_cmd(size):
+    return (3 << 30) | (size << 16) | (_STEP_TYPE << 8) | _STEP_NR
+
 
 __all__ = ['Hinter', 'HintFailed', 'HintRejected', 'MAX_ROWS_PER_FRAME', 'MAX_LAYER', 'PREFILL', 'DECODE']
 
@@ -146,6 +170,23 @@ _STALE = (errno.EBADF, errno.ESTALE, errno.ENOTCONN)
 _LIVE = weakref.WeakSet()
 
 
+def _until_taken(call):
+    """call() until the daemon takes what it sends: again after EAGAIN (the
+    handle's decode backlog is full; nothing was taken), backing off, for
+    at most _EAGAIN_TIMEOUT. Returns what call() returns."""
+    sleep, deadline = 0.00005, None
+    while True:
+        try:
+            return call()
+        except BlockingIOError:
+            if deadline is None:
+                deadline = time.monotonic() + _EAGAIN_TIMEOUT
+            elif time.monotonic() > deadline:
+                raise
+            time.sleep(sleep)
+            sleep = min(2 * sleep, _EAGAIN_SLEEP_MAX)
+
+
 def _after_fork_in_child():
     for h in list(_LIVE):
         h._lock = threading.Lock()
@@ -164,6 +205,7 @@ class Hinter:
         self._fd = None
         self._pid = None
         self._carried = None  # counts read after a rejected frame: the next wait's
+        self._no_step = False  # the daemon answered the step's ioctl ENOTTY
         self._open()
         _LIVE.add(self)
 
@@ -204,6 +246,79 @@ class Hinter:
         """Ask for rows of layer that this step needs (served first)."""
         self._send(DECODE, layer, rows)
 
+    def step(self, layer_rows):
+        """This step's rows as decode hints, [(layer, rows), ...], and the
+        wait for them, in one ioctl(2): returns and raises as wait() does.
+        A step too large for the ioctl, or a daemon without it, is sent as
+        decode() calls and a wait()."""
+        layer_rows = list(layer_rows)
+        frames = []
+        for layer, rows in layer_rows:
+            layer = self._layer('hint step layer %s' % (layer,), layer)
+            data = _as_u64(rows)
+            frames.append(_HEADER.pack(_MAGIC, DECODE, 0, layer, len(data) // _ROW))
+            frames.append(data)
+        size = 4 + sum(len(f) for f in frames)
+        if self._no_step or size > _STEP_MAX_BYTES:
+            return self._step_as_writes(layer_rows)
+        buf = bytearray(max(size, _STEP_MIN_BYTES))
+        _U32.pack_into(buf, 0, size - 4)
+        at = 4
+        for f in frames:
+            buf[at:at + len(f)] = f
+            at += len(f)
+        with self._lock:
+            fd = self._handle()
+            try:
+                try:
+                    self._ioctl_step(fd, buf)
+                except OSError as e:
+                    if e.errno not in _STALE:
+                        raise
+                    # Nothing was taken: send it on a new handle.
+                    fd = self._reopen()
+                    self._ioctl_step(fd, buf)
+            except OSError as e:
+                if e.errno == errno.ENOTTY:
+                    self._no_step = True
+                    status = None
+                elif e.errno == errno.EINVAL:
+                    raise self._why_rejected(fd, 'hint step', e) from e
+                else:
+                    raise OSError(e.errno, 'hint step: %s' % e.strerror, self.path) from e
+            else:
+                (n,) = _U32.unpack_from(buf, 0)
+                status = json.loads(bytes(buf[4:4 + n]))
+                if self._carried is not None:
+                    _add_status(self._carried, status)
+                    status, self._carried = self._carried, None
+        if status is None:
+            return self._step_as_writes(layer_rows)
+        return self._conclude(status)
+
+    def _step_as_writes(self, layer_rows):
+        for layer, rows in layer_rows:
+            self.decode(layer, rows)
+        return self.wait()
+
+    @staticmethod
+    def _ioctl_step(fd, buf):
+        def call():
+            while True:
+                try:
+                    return fcntl.ioctl(fd, _step_cmd(len(buf)), buf, True)
+                except InterruptedError:
+                    # The frames were taken; naming them again is harmless.
+                    continue
+        _until_taken(call)
+
+    def _conclude(self, status):
+        if status.get('failed', 0) > 0:
+            raise HintFailed(status, self.path)
+        if status.get('error'):
+            raise HintRejected('hint wait', status['error'], self.path)
+        return status
+
     def wait(self):
         """Return once every hint sent so far on this handle has settled: a
         dict of counts since the previous wait. Raises HintFailed (an
@@ -225,11 +340,7 @@ class Hinter:
             if self._carried is not None:
                 _add_status(self._carried, status)
                 status, self._carried = self._carried, None
-        if status.get('failed', 0) > 0:
-            raise HintFailed(status, self.path)
-        if status.get('error'):
-            raise HintRejected('hint wait', status['error'], self.path)
-        return status
+        return self._conclude(status)
 
     @staticmethod
     def _read_status(fd):
@@ -267,8 +378,8 @@ class Hinter:
     def __exit__(self, *exc):
         self.close()
 
-    def _send(self, cls, layer, rows):
-        what = 'hint %s layer %s' % (_CLASS_NAMES[cls], layer)
+    @staticmethod
+    def _layer(what, layer):
         try:
             layer = operator.index(layer)  # numpy integers too, never floats
         except TypeError:
@@ -276,6 +387,11 @@ class Hinter:
         # The frame holds a u16: a larger layer would silently name another one.
         if not 0 <= layer <= MAX_LAYER:
             raise ValueError('%s: layer out of range 0..%d' % (what, MAX_LAYER))
+        return layer
+
+    def _send(self, cls, layer, rows):
+        what = 'hint %s layer %s' % (_CLASS_NAMES[cls], layer)
+        layer = self._layer(what, layer)
         data = _as_u64(rows)
         step = _ROW * MAX_ROWS_PER_FRAME
         with self._lock:
@@ -299,22 +415,9 @@ class Hinter:
 
     def _write_frame(self, fd, header, rows):
         want = len(header) + len(rows)
-        sleep, deadline = 0.00005, None
-        while True:
-            try:
-                n = os.writev(fd, [header, rows])  # EINTR is retried (PEP 475)
-            except BlockingIOError:
-                # The handle's decode backlog is full: nothing was taken.
-                if deadline is None:
-                    deadline = time.monotonic() + _EAGAIN_TIMEOUT
-                elif time.monotonic() > deadline:
-                    raise
-                time.sleep(sleep)
-                sleep = min(2 * sleep, _EAGAIN_SLEEP_MAX)
-                continue
-            if n != want:
-                # The daemon refused part of the frame (a bad row: the
-                # stream was reset). Sending the rest would start a new
-                # stream in the middle of a frame.
-                raise OSError(errno.EIO, 'short write: %d of %d bytes of a frame taken' % (n, want))
-            return
+        n = _until_taken(lambda: os.writev(fd, [header, rows]))  # EINTR is retried (PEP 475)
+        if n != want:
+            # The daemon refused part of the frame (a bad row: the stream
+            # was reset). Sending the rest would start a new stream in the
+            # middle of a frame.
+            raise OSError(errno.EIO, 'short write: %d of %d bytes of a frame taken' % (n, want))

@@ -55,6 +55,18 @@ class HinterTest(unittest.TestCase):
                          b'EGH1\x01\x00\x03\x02\x01\x00\x00\x00'
                          b'\xff\xff\xff\xff\xff\xff\xff\xff')
 
+    def test_step_falls_back_to_writes(self):
+        # A regular file has no step ioctl (ENOTTY): the frames are written.
+        with eh.Hinter(self.mount) as h:
+            st = h.step(iter([(0, [1, 2]), (7, [2**40])]))
+            self.assertEqual(st['failed'], 0)
+            h.step([(0, [3])])
+        self.assertEqual(self.written(), frame(1, 0, [1, 2]) + frame(1, 7, [2**40]) + frame(1, 0, [3]))
+
+    def test_step_command(self):
+        # _IOWR(0xE6, 1, 260), as <asm-generic/ioctl.h> spells it.
+        self.assertEqual(eh._step_cmd(260), 0xC104E601)
+
     def test_row_containers(self):
         with eh.Hinter(self.mount) as h:
             h.decode(1, (5, 6))
