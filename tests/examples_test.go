@@ -53,6 +53,9 @@ func TestVLLMStandIn(t *testing.T) {
 	if st.HintFrames == 0 || st.PrefetchPagesFailed != 0 || st.FuseReads == 0 {
 		t.Fatalf("stats after the stand-in: %d frames, %d failed pages, %d FUSE reads", st.HintFrames, st.PrefetchPagesFailed, st.FuseReads)
 	}
+	if st.HintSteps < 4*10 { // a step a rank and decode step
+		t.Fatalf("%d decode steps answered by the step ioctl, want the 40 the ranks took", st.HintSteps)
+	}
 	t.Logf("%s", out)
 }
 

@@ -65,6 +65,7 @@ var coreMountTests = []struct {
 	{"MmapOnColdMountMatches", TestMmapOnColdMountMatches},
 	{"ColdFaultCostsOnePage", TestColdFaultCostsOnePage},
 	{"DecodeHintThenBarrierMakesRowsResident", TestDecodeHintThenBarrierMakesRowsResident},
+	{"StepMakesRowsResident", TestStepMakesRowsResident},
 	{"PrefillHintBecomesResidentWithoutWait", TestPrefillHintBecomesResidentWithoutWait},
 	{"SeveralProcessesHintAtOnce", TestSeveralProcessesHintAtOnce},
 	{"ReadBarrierIsNotHeldUpByAnotherProcess", TestReadBarrierIsNotHeldUpByAnotherProcess},
