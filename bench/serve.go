@@ -68,6 +68,10 @@ type ServeConfig struct {
 	// layer and waits for each layer right before its gather, so the later
 	// layers' reads land while the earlier layers are gathered.
 	DecodePerLayer bool
+	// DecodeWrites: engramfs+hints sends a step's hints as a write a layer
+	// and then reads the barrier, instead of one step ioctl
+	// (hints.StepCmd).
+	DecodeWrites bool
 }
 
 // ServePaths are the serving loop's paths, in report order.
@@ -128,6 +132,8 @@ func (s *ServeConfig) check() error {
 		return errors.New("serving loop: the limit, worker pools, prefetch tasks and burst runs must be positive")
 	case s.DecodeOverlap && s.DecodePerLayer:
 		return errors.New("serving loop: --serve-decode-overlap and --serve-decode-per-layer are two ways of waiting for a step's hints; choose one")
+	case s.DecodeWrites && (s.DecodeOverlap || s.DecodePerLayer):
+		return errors.New("serving loop: --serve-decode-writes is implied by --serve-decode-overlap and --serve-decode-per-layer (neither waits with the step ioctl)")
 	}
 	for _, p := range s.Paths {
 		if !slices.Contains(ServePaths, p) {
@@ -151,6 +157,7 @@ type ServeReport struct {
 	DecodeCompute  time.Duration `json:"decode_compute_ns"`
 	DecodeOverlap  bool          `json:"decode_overlap,omitempty"`
 	DecodePerLayer bool          `json:"decode_per_layer,omitempty"`
+	DecodeWrites   bool          `json:"decode_writes,omitempty"`
 	MemLimit       int64         `json:"mem_limit_bytes"`
 	CacheSize      string        `json:"cache_size"`
 	// Cgroup is the memory cgroup the ranks and the daemon ran in, or
@@ -292,7 +299,7 @@ func (r *ServeRun) path(id PathID) *ServePath {
 // and rank count every path, then the floor again.
 func serveRun(ctx context.Context, cfg *Config, dirs map[string]string, flags []string, drop *dropper, prog *progress, note func(string, ...any)) (*ServeReport, error) {
 	sc := &cfg.Serve
-	rep := &ServeReport{Spec: sc.Spec, Compute: sc.Compute, DecodeCompute: sc.DecodeCompute, DecodeOverlap: sc.DecodeOverlap, DecodePerLayer: sc.DecodePerLayer, MemLimit: sc.MemLimit, CacheSize: sc.CacheSize}
+	rep := &ServeReport{Spec: sc.Spec, Compute: sc.Compute, DecodeCompute: sc.DecodeCompute, DecodeOverlap: sc.DecodeOverlap, DecodePerLayer: sc.DecodePerLayer, DecodeWrites: sc.DecodeWrites, MemLimit: sc.MemLimit, CacheSize: sc.CacheSize}
 	var shards []string
 	for _, g := range sc.Geometries {
 		ents, err := filepath.Glob(filepath.Join(dirs[g.DirName()], "model-*.safetensors"))
@@ -550,6 +557,7 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 		ModelDir: run.ModelDir, Mountpoint: mountpoint, Path: p, Seed: cfg.Seed, Spec: sc.Spec,
 		GatherWorkers: sc.GatherWorkers, PrefetchThreads: sc.PrefetchThreads, PrefetchTaskRows: sc.PrefetchTaskRows,
 		VerifySample: sc.VerifySample, DecodeOverlap: sc.DecodeOverlap, DecodePerLayer: sc.DecodePerLayer,
+		DecodeWrites: sc.DecodeWrites,
 	}, sc.CommandTimeout)
 	if err != nil {
 		return nil, err

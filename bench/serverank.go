@@ -58,6 +58,9 @@ type rankConfig struct {
 	// DecodePerLayer: a decode handle per layer, a barrier per layer
 	// (ServeConfig).
 	DecodePerLayer bool `json:"decode_per_layer,omitempty"`
+	// DecodeWrites: a write a layer and a barrier read a step, not the
+	// step ioctl (ServeConfig).
+	DecodeWrites bool `json:"decode_writes,omitempty"`
 }
 
 // rankCmd is one command: start the prefetch of a chunk, wait for it and
@@ -375,8 +378,9 @@ func (r *rank) chunk(req, chunk int, rows [][]uint64) (rankReply, error) {
 
 // step is one decode step, its rows known only now. mmap: the gather.
 // v3: fadvise(WILLNEED) on every row's range, then the gather
-// (DSV41_ENGRAM_MMAP_INLINE_ROWS). engramfs+hints: a decode hint per
-// layer, the barrier, then the gather. Before it, untimed, mincore counts
+// (DSV41_ENGRAM_MMAP_INLINE_ROWS). engramfs+hints: the step (a decode
+// frame per layer and the barrier in one ioctl; with DecodeWrites a write
+// per layer and a barrier read), then the gather. Before it, untimed, mincore counts
 // the step's pages already resident.
 func (r *rank) step(rows [][]uint64) (rankReply, error) {
 	var rep rankReply
@@ -415,6 +419,15 @@ func (r *rank) step(rows [][]uint64) (rankReply, error) {
 			}
 		}
 		rep.Status = &all
+	case r.decode != nil && !r.cfg.DecodeOverlap && !r.cfg.DecodeWrites:
+		// Every layer's frame and the barrier in one request (the step).
+		st, err := r.decode.Step(r.model.Layers, rows)
+		if err != nil {
+			return rep, err
+		}
+		rep.Status = &st
+		rep.Hint = time.Since(start)
+		err = r.gs.gatherSerial(rows, r.buf, r.out)
 	case r.decode != nil:
 		for j, rs := range rows {
 			if err := r.decode.Decode(r.model.Layers[j], rs); err != nil {

@@ -112,6 +112,9 @@ func (r *Report) writeServe(w io.Writer) {
 	if s.DecodeOverlap {
 		fmt.Fprintln(w, "decode overlap: engramfs+hints gathers each step right after its hints and reads the barrier after the gather (hints + barrier: the hint writes alone)")
 	}
+	if s.DecodeWrites {
+		fmt.Fprintln(w, "decode writes: engramfs+hints sends each step's hints as a write a layer, then reads the barrier (not the step ioctl)")
+	}
 	if s.DecodePerLayer {
 		fmt.Fprintln(w, "decode per layer: engramfs+hints sends each layer's hints on a handle of its own and reads each layer's barrier right before its gather (hints + barrier: the hints and the first layer's barrier)")
 	}
