@@ -94,19 +94,19 @@ class Hints:
         self.prefill_rows += len(rows)
 
     def decode_and_wait(self, layer_rows):
-        """This step's rows of every layer as decode hints, then one read
-        barrier: when it returns they are in the page cache. Returns the
-        barrier's counts; raises engramfs_hints.HintFailed if pages failed
-        (with the reason) and HintRejected for a bad row."""
-        for layer, rows in layer_rows:
-            self.dec.decode(layer, rows)
+        """This step's rows of every layer as decode hints and the wait for
+        them, in one request (the step ioctl; as decode() calls and a read
+        barrier where it cannot carry them): when it returns they are in the
+        page cache. Returns the barrier's counts; raises
+        engramfs_hints.HintFailed if pages failed (with the reason) and
+        HintRejected for a bad row."""
         # One barrier for the whole step. A barrier per layer (a handle per
         # layer, each layer's barrier read right before its gather) measured
         # no faster in the serving loop, whose layers have no compute in
         # between (engramfs bench --serve --serve-decode-per-layer); it pays
         # only where the engine computes between its engram layers, and
         # this is the one place to change for it.
-        self.last_status = self.dec.wait()
+        self.last_status = self.dec.step(layer_rows)
         self.decode_steps += 1
         return self.last_status
 
@@ -170,8 +170,8 @@ def _unique(x):
 
 
 def decode_and_wait(requests):
-    """stage()'s requests, [(table, rel, owned)], as one decode hint a layer
-    and one barrier (see Hints.decode_and_wait). Tables without engramfs
+    """stage()'s requests, [(table, rel, owned)], as one decode step: a
+    decode hint a layer and the barrier (see Hints.decode_and_wait). Tables without engramfs
     are left out. Returns the barrier's counts, or None."""
     by_hints = {}
     for table, rel, owned in requests:
