@@ -72,6 +72,11 @@ type ServeConfig struct {
 	// and then reads the barrier, instead of one step ioctl
 	// (hints.StepCmd).
 	DecodeWrites bool
+	// PrefillGatherFirst: engramfs+hints gathers a prefill chunk without
+	// waiting for its prefill hints, and reads the prefill barrier after
+	// the gather for the counts (the example engine's way: nothing waits
+	// for its hash-ahead).
+	PrefillGatherFirst bool
 }
 
 // ServePaths are the serving loop's paths, in report order.
@@ -158,8 +163,10 @@ type ServeReport struct {
 	DecodeOverlap  bool          `json:"decode_overlap,omitempty"`
 	DecodePerLayer bool          `json:"decode_per_layer,omitempty"`
 	DecodeWrites   bool          `json:"decode_writes,omitempty"`
-	MemLimit       int64         `json:"mem_limit_bytes"`
-	CacheSize      string        `json:"cache_size"`
+	// PrefillGatherFirst: see ServeConfig.
+	PrefillGatherFirst bool   `json:"prefill_gather_first,omitempty"`
+	MemLimit           int64  `json:"mem_limit_bytes"`
+	CacheSize          string `json:"cache_size"`
 	// Cgroup is the memory cgroup the ranks and the daemon ran in, or
 	// NoCgroup why there was none (the run then had no memory limit).
 	Cgroup   string `json:"cgroup,omitempty"`
@@ -299,7 +306,7 @@ func (r *ServeRun) path(id PathID) *ServePath {
 // and rank count every path, then the floor again.
 func serveRun(ctx context.Context, cfg *Config, dirs map[string]string, flags []string, drop *dropper, prog *progress, note func(string, ...any)) (*ServeReport, error) {
 	sc := &cfg.Serve
-	rep := &ServeReport{Spec: sc.Spec, Compute: sc.Compute, DecodeCompute: sc.DecodeCompute, DecodeOverlap: sc.DecodeOverlap, DecodePerLayer: sc.DecodePerLayer, DecodeWrites: sc.DecodeWrites, MemLimit: sc.MemLimit, CacheSize: sc.CacheSize}
+	rep := &ServeReport{Spec: sc.Spec, Compute: sc.Compute, DecodeCompute: sc.DecodeCompute, DecodeOverlap: sc.DecodeOverlap, DecodePerLayer: sc.DecodePerLayer, DecodeWrites: sc.DecodeWrites, PrefillGatherFirst: sc.PrefillGatherFirst, MemLimit: sc.MemLimit, CacheSize: sc.CacheSize}
 	var shards []string
 	for _, g := range sc.Geometries {
 		ents, err := filepath.Glob(filepath.Join(dirs[g.DirName()], "model-*.safetensors"))
@@ -557,7 +564,7 @@ func servePath(ctx context.Context, cfg *Config, run *ServeRun, m *backing.Model
 		ModelDir: run.ModelDir, Mountpoint: mountpoint, Path: p, Seed: cfg.Seed, Spec: sc.Spec,
 		GatherWorkers: sc.GatherWorkers, PrefetchThreads: sc.PrefetchThreads, PrefetchTaskRows: sc.PrefetchTaskRows,
 		VerifySample: sc.VerifySample, DecodeOverlap: sc.DecodeOverlap, DecodePerLayer: sc.DecodePerLayer,
-		DecodeWrites: sc.DecodeWrites,
+		DecodeWrites: sc.DecodeWrites, PrefillGatherFirst: sc.PrefillGatherFirst,
 	}, sc.CommandTimeout)
 	if err != nil {
 		return nil, err

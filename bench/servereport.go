@@ -112,6 +112,9 @@ func (r *Report) writeServe(w io.Writer) {
 	if s.DecodeOverlap {
 		fmt.Fprintln(w, "decode overlap: engramfs+hints gathers each step right after its hints and reads the barrier after the gather (hints + barrier: the hint writes alone)")
 	}
+	if s.PrefillGatherFirst {
+		fmt.Fprintln(w, "prefill gather first: engramfs+hints gathers each chunk without waiting for its prefill hints, then reads the prefill barrier (its time is the chunk's wait)")
+	}
 	if s.DecodeWrites {
 		fmt.Fprintln(w, "decode writes: engramfs+hints sends each step's hints as a write a layer, then reads the barrier (not the step ioctl)")
 	}

@@ -32,8 +32,9 @@ func TestVLLMStandIn(t *testing.T) {
 	ranks := 0
 	for _, line := range strings.Split(string(out), "\n") {
 		var r struct {
-			ReadFrom    string `json:"read_from"`
-			RowsChecked int    `json:"rows_checked"`
+			ReadFrom     string `json:"read_from"`
+			RowsChecked  int    `json:"rows_checked"`
+			PrefillWaits int    `json:"prefill_waits"`
 		}
 		if !strings.HasPrefix(line, "{") {
 			continue
@@ -43,6 +44,9 @@ func TestVLLMStandIn(t *testing.T) {
 		}
 		if !strings.HasPrefix(r.ReadFrom, d.Mountpoint+"/layers/") || r.RowsChecked == 0 {
 			t.Fatalf("rank report %q: want rows read from the mount's table files and checked", line)
+		}
+		if r.PrefillWaits != 3 {
+			t.Fatalf("rank report %q: want a prefill wait a chunk (3)", line)
 		}
 		ranks++
 	}
@@ -97,7 +101,7 @@ func TestVLLMPatchApplies(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, want := range []string{"_KAI_ENGRAMFS = _kai_engramfs.enabled()", "_kai_engramfs.retarget(self, model_dir, layer_id)",
-			"table.engramfs.prefill(rows)", "_kai_engramfs.decode_and_wait(requests)"} {
+			"table.engramfs.prefill(rows)", "_kai_engramfs.decode_and_wait(requests)", "_kai_engramfs.wait_prefill(requests)"} {
 			if !strings.Contains(string(patched), want) {
 				t.Fatalf("the patched engram.py lacks %q", want)
 			}

@@ -7,9 +7,10 @@ data, through engramfs_prefetch.py, against a real mount.
     patch's `self.engramfs = retarget(self, model_dir, layer_id)`, then stage
     6's read-only map of `_w_path`/`_s_path` (MADV_RANDOM) as numpy
     [num_rows, row_bytes] views at `w_off`/`s_off`;
-  - prefill: chunk N+1's rank-local rows go to `table.engramfs.prefill(rows)`
-    (stage 8's _hash_ahead) while chunk N "computes" (its rows gathered with
-    np.take, then a sleep);
+  - prefill: chunk N's stage() waits for its prefill hints
+    (`wait_prefill(requests)`) and gathers its rows (np.take); then chunk
+    N+1's rank-local rows go to `table.engramfs.prefill(rows)` (stage 8's
+    _hash_ahead, at the end of stage()) while chunk N "computes" (a sleep);
   - decode: each step's requests, [(table, rel, owned)] as disk_rel_owned
     gives them (Zipf-popular rows, some owned by other ranks), go to
     `decode_and_wait(requests)` (stage()), then the gather;
@@ -134,18 +135,24 @@ def run_rank(model_dir, rank, args):
         r = np.random.default_rng(1000 * rank + c)
         return [np.unique(r.integers(0, t.num_rows, size=args.chunk_rows)).tolist() for t in tables]
 
-    # Prefill: chunk 0 is hinted before it computes, chunk N+1 while N computes.
+    # Prefill: chunk 0 is hinted before it computes, chunk N+1 at the end of
+    # chunk N's stage() (_hash_ahead), while N computes.
     nxt = chunk_rows(0)
     for t, rows in zip(tables, nxt):
         t.engramfs.prefill(rows)
+    prefill_waits = 0
     for c in range(args.chunks):
         cur = nxt
+        st = _kai_engramfs.wait_prefill([(t, None, None) for t in tables])  # stage()
+        if st is None or st['failed'] or st['frames'] != len(tables):
+            raise SystemExit('rank %d: chunk %d prefill barrier status %r' % (rank, c, st))
+        prefill_waits += 1
+        for t, rows in zip(tables, cur):  # the chunk's gather
+            gathered += t.gather(rows)
         if c + 1 < args.chunks:
             nxt = chunk_rows(c + 1)
             for t, rows in zip(tables, nxt):  # _hash_ahead
                 t.engramfs.prefill(rows)
-        for t, rows in zip(tables, cur):  # the chunk's gather
-            gathered += t.gather(rows)
         time.sleep(args.compute_ms / 1000)
 
     # Decode: the step's rows are known only now; some are other ranks'.
@@ -166,6 +173,7 @@ def run_rank(model_dir, rank, args):
     p = lambda q: barrier_ms[min(len(barrier_ms) - 1, int(q * len(barrier_ms)))]  # noqa: E731
     print(json.dumps({'rank': rank, 'pid': os.getpid(), 'read_from': tables[0]._w_path,
                       'rows_checked': gathered, 'prefill_rows': hints.prefill_rows,
+                      'prefill_waits': prefill_waits,
                       'decode_steps': hints.decode_steps, 'decode_barrier_ms_p50': round(p(0.5), 3),
                       'decode_barrier_ms_p99': round(p(0.99), 3)}), flush=True)
 
