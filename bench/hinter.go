@@ -178,11 +178,7 @@ func (h *hinter) WaitStatus() (hints.Status, error) {
 func (h *hinter) Step(layers []int, rows [][]uint64) (hints.Status, error) {
 	h.mu.Lock()
 	if !h.noStep && h.barrier == BarrierRead {
-		var frames []byte
-		for j, l := range layers {
-			frames = hints.AppendBinary(frames, hints.Decode, l, rows[j])
-		}
-		if buf, ok := hints.StepBuffer(h.buf, frames); ok {
+		if buf, ok := hints.DecodeStepBuffer(h.buf, layers, rows); ok {
 			h.buf = buf
 			st, err := h.step(buf)
 			if err != unix.ENOTTY {

@@ -69,17 +69,40 @@ func StepSize(cmd uint32) (size int, ok bool) {
 }
 
 // StepBuffer returns a step's buffer holding frames (whole frames, encoded
-// with AppendBinary or AppendText), sized for them and the status line; ok
-// is false when they do not fit one step.
+// with AppendBinary or AppendText), sized for them and the status line, in
+// dst's memory; ok is false when they do not fit one step.
 func StepBuffer(dst, frames []byte) (buf []byte, ok bool) {
-	size := max(stepHeader+len(frames), StepMinBytes)
-	if size > StepMaxBytes {
+	if stepHeader+len(frames) > StepMaxBytes {
 		return dst, false
 	}
-	buf = append(dst[:0], make([]byte, size)...)
-	binary.LittleEndian.PutUint32(buf, uint32(len(frames)))
-	copy(buf[stepHeader:], frames)
-	return buf, true
+	return endStep(append(append(dst[:0], 0, 0, 0, 0), frames...)), true
+}
+
+// DecodeStepBuffer is StepBuffer of a decode frame of rows[j] for each
+// layers[j] (each within 0..MaxLayer), the frames encoded in place; ok is
+// false, and nothing encoded, when they do not fit one step.
+func DecodeStepBuffer(dst []byte, layers []int, rows [][]uint64) (buf []byte, ok bool) {
+	size := stepHeader
+	for _, rs := range rows {
+		if size += headerLen + rowLen*len(rs); size > StepMaxBytes {
+			return dst, false
+		}
+	}
+	buf = append(dst[:0], 0, 0, 0, 0)
+	for j, l := range layers {
+		buf = AppendBinary(buf, Decode, l, rows[j])
+	}
+	return endStep(buf), true
+}
+
+// endStep puts the length of the frames after buf's header and pads buf
+// with zeros to StepMinBytes, the room of the status line.
+func endStep(buf []byte) []byte {
+	binary.LittleEndian.PutUint32(buf, uint32(len(buf)-stepHeader))
+	if len(buf) < StepMinBytes {
+		buf = append(buf, make([]byte, StepMinBytes-len(buf))...)
+	}
+	return buf
 }
 
 // StepFrames returns the frames of a step's buffer.

@@ -71,3 +71,28 @@ func TestStepFramesRefusesBadBuffers(t *testing.T) {
 		t.Error("an answer naming a line past its buffer was taken")
 	}
 }
+
+// DecodeStepBuffer encodes what StepBuffer of the same frames holds, in a
+// reused buffer too, and refuses a step too large before encoding it.
+func TestDecodeStepBufferIsStepBufferOfItsFrames(t *testing.T) {
+	layers, rows := []int{2, 5}, [][]uint64{{1, 2, 3}, {9}}
+	var frames []byte
+	for j, l := range layers {
+		frames = AppendBinary(frames, Decode, l, rows[j])
+	}
+	want, _ := StepBuffer(nil, frames)
+	dirty := bytes.Repeat([]byte{0xff}, 2*StepMinBytes)
+	for _, dst := range [][]byte{nil, dirty} {
+		got, ok := DecodeStepBuffer(dst, layers, rows)
+		if !ok || !bytes.Equal(got, want) {
+			t.Fatalf("DecodeStepBuffer: %x, %v; want %x", got, ok, want)
+		}
+	}
+	most := (StepMaxBytes - 4 - 2*12) / 8
+	if buf, ok := DecodeStepBuffer(nil, layers, [][]uint64{make([]uint64, most-1), {1}}); !ok || len(buf) > StepMaxBytes {
+		t.Errorf("a two-layer step of %d rows does not fit: %d bytes, %v", most, len(buf), ok)
+	}
+	if buf, ok := DecodeStepBuffer(dirty[:1], layers, [][]uint64{make([]uint64, most), {1}}); ok || len(buf) != 1 {
+		t.Errorf("a step of %d rows fits (%v), or was encoded (%d bytes)", most+1, ok, len(buf))
+	}
+}

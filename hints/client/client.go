@@ -224,15 +224,13 @@ func (h *Hinter) Step(layers []int, rows [][]uint64) (hints.Status, error) {
 		}
 	}
 	h.mu.Lock()
-	buf, ok := h.stepBuffer(layers, rows)
-	if ok {
-		st, err, done := h.step(buf)
-		if done {
-			if cap(h.buf) > maxKeptBuf {
-				h.buf = nil
+	if !h.noStep.Load() {
+		if buf, ok := hints.DecodeStepBuffer(h.buf, layers, rows); ok {
+			h.buf = buf
+			if st, err, done := h.step(buf); done {
+				h.mu.Unlock()
+				return h.conclude(st, err)
 			}
-			h.mu.Unlock()
-			return h.conclude(st, err)
 		}
 	}
 	h.mu.Unlock()
@@ -244,35 +242,10 @@ func (h *Hinter) Step(layers []int, rows [][]uint64) (hints.Status, error) {
 	return h.Barrier()
 }
 
-// stepBuffer is a step's buffer holding a decode frame per layer, in
-// h.buf; ok is false when the ioctl cannot carry it or the filesystem has
-// no step.
-//
-// REQUIRES(h.mu)
-func (h *Hinter) stepBuffer(layers []int, rows [][]uint64) ([]byte, bool) {
-	if h.noStep.Load() {
-		return nil, false
-	}
-	n := 0
-	for _, rs := range rows {
-		n += len(rs)
-	}
-	if n > hints.StepMaxBytes/8 {
-		return nil, false
-	}
-	var frames []byte
-	for i, l := range layers {
-		frames = hints.AppendBinary(frames, hints.Decode, l, rows[i])
-	}
-	buf, ok := hints.StepBuffer(h.buf, frames)
-	if ok {
-		h.buf = buf
-	}
-	return buf, ok
-}
-
 // step makes the ioctl. done is false when the filesystem has no step
 // (ENOTTY: nothing was taken), and the caller sends the frames otherwise.
+// After EINTR untilTaken sends the step again: its frames were taken, and
+// naming them again counts them twice in Status.Frames, their pages once.
 //
 // REQUIRES(h.mu)
 func (h *Hinter) step(buf []byte) (st hints.Status, err error, done bool) {
@@ -299,9 +272,6 @@ func (h *Hinter) step(buf []byte) (st hints.Status, err error, done bool) {
 		return st, nil, false
 	case errors.Is(err, syscall.EINVAL):
 		return st, fmt.Errorf("hint step: %w", h.whyRejected(err)), true
-	case errors.Is(err, syscall.EINTR):
-		// Never returned: untilTaken retries it (the frames were taken
-		// then, and the retry waits for them again).
 	case err != nil:
 		return st, fmt.Errorf("hint step: %w", err), true
 	}
